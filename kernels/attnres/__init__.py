@@ -1,0 +1,5 @@
+"""Block Attention Residuals depth mix (reference)."""
+
+from .reference import attn_res
+
+__all__ = ["attn_res"]

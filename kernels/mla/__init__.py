@@ -1,0 +1,3 @@
+from .reference import mla_absorbed_attention
+
+__all__ = ["mla_absorbed_attention"]

@@ -1,0 +1,5 @@
+"""SiTU-GLU activation (reference)."""
+
+from .reference import situ_glu
+
+__all__ = ["situ_glu"]

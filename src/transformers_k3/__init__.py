@@ -1,0 +1,32 @@
+"""transformers-k3: Kimi K3 for Hugging Face transformers.
+
+Importing the package registers the K3 config and model classes with the transformers Auto classes and the
+released checkpoint's weight conversions (MXFP4 routed experts). It needs no GPU and no Triton.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .configuration_kimi_k3 import KimiK3Config, KimiK3ConfigError, KimiK3TextConfig, KimiK3VisionConfig
+from .cache_kimi_k3 import KimiK3Cache
+from .modeling_kimi_k3 import (
+    KimiK3ForCausalLM,
+    KimiK3ForConditionalGeneration,
+    KimiK3Model,
+    KimiK3PreTrainedModel,
+)
+from .conversion import register_conversions
+
+AutoConfig.register(KimiK3Config.model_type, KimiK3Config)
+AutoConfig.register(KimiK3TextConfig.model_type, KimiK3TextConfig)
+AutoModel.register(KimiK3TextConfig, KimiK3Model)
+AutoModel.register(KimiK3Config, KimiK3ForConditionalGeneration)
+AutoModelForCausalLM.register(KimiK3TextConfig, KimiK3ForCausalLM)
+# As the release's own auto_map: a causal LM from the released directory is the whole container.
+AutoModelForCausalLM.register(KimiK3Config, KimiK3ForConditionalGeneration)
+register_conversions()
+
+__version__ = "0.1.0"
+__all__ = [
+    "KimiK3Config", "KimiK3TextConfig", "KimiK3VisionConfig", "KimiK3ConfigError", "KimiK3Cache",
+    "KimiK3Model", "KimiK3ForCausalLM", "KimiK3ForConditionalGeneration", "KimiK3PreTrainedModel",
+]

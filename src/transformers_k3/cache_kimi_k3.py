@@ -1,0 +1,227 @@
+"""The K3 hybrid cache: a paged latent cache for the MLA layers and fixed-size states for the KDA layers.
+
+MLA layers keep only `[c_kv | k_pe]` (`kv_lora_rank + qk_rope_head_dim` values a token) in pages of
+`mla_page_size` tokens. One block table `[B, n_blocks]` maps each sequence's logical blocks to page ids; every
+MLA layer has its own page pool indexed by the same ids, so a page id names one span of tokens in all layers
+(what prefix sharing across requests needs). Pages are allocated exactly when a sequence crosses a page
+boundary, so the cache grows by the latent bytes per token (rounded up to a page) and no more.
+
+KDA layers keep three conv states `[B, H*K, W-1]` (the last inputs of q, k, v) and the fp32 recurrent state
+`[B, H, K, V]`, updated in place of the previous ones.
+
+What this cache cannot do yet, and so refuses: rolling back (crop) a KDA state, which needs the saved
+projected inputs of speculative decoding (SPEC 7), and prefix reuse across requests, which needs KDA state
+snapshots at block boundaries. Both are planned on this layout: `snapshot_kda`/`restore_kda` are the state
+half of it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers.cache_utils import Cache
+
+from .configuration_kimi_k3 import FULL_ATTENTION, LINEAR_ATTENTION
+
+
+class KimiK3Cache(Cache):
+    is_compileable = False
+
+    def __init__(self, config):
+        # `layers=[]`: the per-layer bookkeeping of the base class does not fit a paged hybrid; every method
+        # generate and the model use is implemented here.
+        super().__init__(layers=[])
+        config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        self.config = config
+        self.layer_types = list(config.layer_types)
+        self.page_size = int(config.mla_page_size)
+        self.latent_dim = config.kv_lora_rank + config.qk_rope_head_dim
+        self.mla_layers = [i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION]
+        self.kda_layers = [i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION]
+        self.reset()
+
+    # bookkeeping -------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.block_table: torch.Tensor | None = None  # [B, n_blocks] page ids
+        self.num_pages = 0
+        self.pools: dict[int, torch.Tensor] = {}  # layer -> [num_pages, page_size, latent_dim]
+        self.lengths: dict[int, int] = {i: 0 for i in self.mla_layers}
+        self.conv_states: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.recurrent_states: dict[int, torch.Tensor] = {}
+        self._seen_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * len(self.layer_types)
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [t == LINEAR_ATTENTION for t in self.layer_types]
+
+    @property
+    def is_croppable(self) -> bool:
+        return not self.kda_layers
+
+    @property
+    def max_batch_size(self):
+        return None if self.block_table is None else self.block_table.shape[0]
+
+    @property
+    def max_cache_len(self):
+        return -1
+
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        # Sequence length is counted on attention layers only: KDA layers have no length.
+        if self.mla_layers:
+            return self.lengths[self.mla_layers[0]]
+        return self._seen_tokens
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        if layer_idx is None:
+            return bool(self.recurrent_states) or self.get_seq_length() > 0
+        return layer_idx in self.recurrent_states
+
+    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):  # older releases pass cache_position
+            query_length = query_length.shape[0]
+        return self.get_seq_length() + int(query_length), 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.get_seq_length()
+
+    # MLA: paged latent --------------------------------------------------------------------------------------
+    def _ensure_blocks(self, batch: int, end: int, device) -> None:
+        need = math.ceil(end / self.page_size)
+        if self.block_table is None:
+            self.block_table = torch.empty(batch, 0, dtype=torch.long, device=device)
+        if self.block_table.shape[0] != batch:
+            raise ValueError(
+                f"KimiK3Cache holds {self.block_table.shape[0]} sequences but the input has batch size {batch}"
+            )
+        have = self.block_table.shape[1]
+        if need > have:
+            new = torch.arange(self.num_pages, self.num_pages + batch * (need - have), device=device)
+            self.block_table = torch.cat([self.block_table, new.view(batch, need - have)], dim=1)
+            self.num_pages += batch * (need - have)
+
+    def _pool(self, layer_idx: int, like: torch.Tensor) -> torch.Tensor:
+        pool = self.pools.get(layer_idx)
+        if pool is None:
+            pool = like.new_zeros(0, self.page_size, self.latent_dim)
+        if pool.shape[0] < self.num_pages:
+            grow = like.new_zeros(self.num_pages - pool.shape[0], self.page_size, self.latent_dim)
+            pool = torch.cat([pool, grow], dim=0)
+        self.pools[layer_idx] = pool
+        return pool
+
+    def update_latent(self, layer_idx: int, latent: torch.Tensor) -> torch.Tensor:
+        """Append `latent [B, T, latent_dim]` for `layer_idx`; return all of that layer's latent `[B, L, latent_dim]`."""
+        batch, t, dim = latent.shape
+        if dim != self.latent_dim:
+            raise ValueError(f"latent must have {self.latent_dim} channels, got {dim}")
+        start = self.lengths[layer_idx]
+        end = start + t
+        self._ensure_blocks(batch, end, latent.device)
+        pool = self._pool(layer_idx, latent)
+        pos = torch.arange(start, end, device=latent.device)
+        pages = self.block_table[:, pos // self.page_size]  # [B, T]
+        pool[pages, pos % self.page_size] = latent.to(pool.dtype)
+        self.lengths[layer_idx] = end
+        n_blocks = math.ceil(end / self.page_size)
+        gathered = pool[self.block_table[:, :n_blocks]]  # [B, n_blocks, page, latent_dim]
+        return gathered.reshape(batch, n_blocks * self.page_size, dim)[:, :end]
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        raise NotImplementedError(
+            "KimiK3Cache stores MLA latents, not expanded keys and values: use `update_latent`."
+        )
+
+    # KDA: conv and recurrent state ---------------------------------------------------------------------------
+    def get_kda_state(self, layer_idx: int):
+        return self.conv_states.get(layer_idx), self.recurrent_states.get(layer_idx)
+
+    def update_kda_state(self, layer_idx: int, conv_states: tuple[torch.Tensor, ...], recurrent: torch.Tensor):
+        self.conv_states[layer_idx] = tuple(s.float() for s in conv_states)
+        self.recurrent_states[layer_idx] = recurrent.float()
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        states = self.conv_states.get(layer_idx)
+        return None if states is None else states[state_idx]
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        return self.recurrent_states.get(layer_idx)
+
+    def snapshot_kda(self) -> dict:
+        """A copy of every KDA state (conv and recurrent): what prefix reuse stores at a block boundary."""
+        return {
+            "conv": {i: tuple(s.clone() for s in v) for i, v in self.conv_states.items()},
+            "recurrent": {i: v.clone() for i, v in self.recurrent_states.items()},
+        }
+
+    def restore_kda(self, snapshot: dict) -> None:
+        self.conv_states = {i: tuple(s.clone() for s in v) for i, v in snapshot["conv"].items()}
+        self.recurrent_states = {i: v.clone() for i, v in snapshot["recurrent"].items()}
+
+    # batch operations (beam search, contrastive search, num_return_sequences) -----------------------------
+    def _select_rows(self, index: torch.Tensor) -> None:
+        if self.block_table is not None:
+            n_blocks = self.block_table.shape[1]
+            table = self.block_table.index_select(0, index.to(self.block_table.device))  # [B', n_blocks]
+            # Rows may now share pages; copy them into fresh, private pages so later appends cannot collide.
+            for layer, pool in self.pools.items():
+                self.pools[layer] = pool[table.reshape(-1)].clone()
+            self.num_pages = table.numel()
+            self.block_table = torch.arange(self.num_pages, device=table.device).view(-1, n_blocks)
+        for layer, states in self.conv_states.items():
+            self.conv_states[layer] = tuple(s.index_select(0, index.to(s.device)) for s in states)
+        for layer, state in self.recurrent_states.items():
+            self.recurrent_states[layer] = state.index_select(0, index.to(state.device))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        rows = self.block_table.shape[0] if self.block_table is not None else self._state_batch()
+        self._select_rows(torch.arange(rows).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows(indices)
+
+    def _state_batch(self) -> int:
+        for state in self.recurrent_states.values():
+            return state.shape[0]
+        return 0
+
+    def crop(self, max_length: int) -> None:
+        length = self.get_seq_length()
+        if max_length < 0:
+            max_length = length + max_length
+        if max_length >= length:
+            return
+        if self.kda_layers:
+            raise NotImplementedError(
+                "KimiK3Cache cannot crop: KDA recurrent states are updated in place and cannot be rolled back "
+                "without a saved state and the replayed inputs (speculative-decoding rollback is not implemented yet)."
+            )
+        for layer in self.mla_layers:
+            self.lengths[layer] = max_length
+
+    # memory accounting ----------------------------------------------------------------------------------------
+    def nbytes(self) -> dict[str, int]:
+        mla = sum(p.numel() * p.element_size() for p in self.pools.values())
+        kda = sum(s.numel() * s.element_size() for v in self.conv_states.values() for s in v)
+        kda += sum(s.numel() * s.element_size() for s in self.recurrent_states.values())
+        return {"mla": mla, "kda": kda}
+
+
+__all__ = ["KimiK3Cache"]

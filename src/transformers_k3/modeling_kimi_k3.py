@@ -1,0 +1,702 @@
+"""Kimi K3, the whole forward pass, in the order of the report (SPEC sections 2-5).
+
+Norms and SiTU-GLU; Kimi Delta Attention; gated NoPE MLA; Block Attention Residuals; Stable LatentMoE; the
+decoder layer; the model; the heads. The torch references in `k3_kernels` are the default path; faster
+backends are chosen in `k3_kernels.dispatch`, never here.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.integrations import use_experts_implementation
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from k3_kernels import dispatch
+from k3_kernels.attnres.reference import attn_res
+from k3_kernels.kda.reference import kda_gate
+from k3_kernels.mla.reference import mla_absorbed_attention
+from k3_kernels.situ.reference import situ_glu
+
+from .cache_kimi_k3 import KimiK3Cache
+from .configuration_kimi_k3 import FULL_ATTENTION, KimiK3Config, KimiK3TextConfig
+
+# transformers renamed the cache keyword from `past_key_values` to `cache` (5.2x); speak whichever it speaks.
+CACHE_KWARG = (
+    "cache"
+    if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    else "past_key_values"
+)
+
+
+def _pop_cache(kwargs: dict, cache=None, past_key_values=None):
+    found = cache if cache is not None else past_key_values
+    for key in ("cache", "past_key_values"):
+        value = kwargs.pop(key, None)
+        if found is None:
+            found = value
+    return found
+
+
+class KimiK3RMSNorm(nn.Module):
+    """RMSNorm computed in fp32; the weight keeps the dtype it was loaded in."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight.float() * x).to(dtype)
+
+
+class KimiK3MLP(nn.Module):
+    """SiTU-GLU MLP: the dense layer-0 MLP and the shared experts."""
+
+    def __init__(self, config: KimiK3TextConfig, intermediate_size: int):
+        super().__init__()
+        self.config = config
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = situ_glu(
+            self.gate_proj(x), self.up_proj(x),
+            self.config.activation_situ_beta, self.config.activation_situ_linear_beta,
+        )
+        return self.down_proj(hidden)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kimi Delta Attention (SPEC 2)
+# ----------------------------------------------------------------------------------------------------------
+
+
+class KimiK3DeltaAttention(nn.Module):
+    """KDA with the lower-bounded gate, short convs, L2-normed q/k, full-rank output gate and gated head norm."""
+
+    def __init__(self, config: KimiK3TextConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.linear_num_heads
+        self.head_dim = config.linear_head_dim
+        self.conv_size = config.linear_conv_kernel_size
+        self.lower_bound = config.gate_lower_bound
+        d, inner = config.hidden_size, self.num_heads * self.head_dim
+        self.q_proj = nn.Linear(d, inner, bias=False)
+        self.k_proj = nn.Linear(d, inner, bias=False)
+        self.v_proj = nn.Linear(d, inner, bias=False)
+        conv = dict(kernel_size=self.conv_size, groups=inner, bias=False, dtype=torch.float32)
+        self.q_conv1d = nn.Conv1d(inner, inner, **conv)
+        self.k_conv1d = nn.Conv1d(inner, inner, **conv)
+        self.v_conv1d = nn.Conv1d(inner, inner, **conv)
+        self.f_a_proj = nn.Linear(d, self.head_dim, bias=False)
+        self.f_b_proj = nn.Linear(self.head_dim, inner, bias=False)
+        self.b_proj = nn.Linear(d, self.num_heads, bias=False)
+        # The release stores A_log as [head_dim], zero-padded: only the first num_heads entries are used.
+        self.A_log = nn.Parameter(torch.zeros(max(self.head_dim, self.num_heads), dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.zeros(inner, dtype=torch.float32))
+        self.g_proj = nn.Linear(d, inner, bias=False)
+        self.o_norm = KimiK3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.o_norm.weight.data = self.o_norm.weight.data.float()
+        self.o_proj = nn.Linear(inner, d, bias=False)
+
+    def forward(self, x, pad_mask=None, cache: KimiK3Cache | None = None, cu_seqlens=None):
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        if pad_mask is not None:
+            # Padding contributes nothing: zero inputs, no decay (g = 0) and no write (beta = 0).
+            x = x * pad_mask[..., None].to(x.dtype)
+        conv_states, recurrent = cache.get_kda_state(self.layer_idx) if cache is not None else (None, None)
+        conv_states = conv_states or (None, None, None)
+        want_state = cache is not None
+        qkv, new_conv = [], []
+        for proj, conv, state in zip(
+            (self.q_proj, self.k_proj, self.v_proj), (self.q_conv1d, self.k_conv1d, self.v_conv1d), conv_states
+        ):
+            y, s = dispatch.causal_conv1d(
+                proj(x), conv.weight, initial_state=state, output_final_state=want_state, cu_seqlens=cu_seqlens
+            )
+            qkv.append(y.view(B, T, H, K))  # [B, T, H, K]
+            new_conv.append(s)
+        q, k, v = qkv
+        z = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
+        g = kda_gate(z, self.A_log, self.dt_bias, self.lower_bound)  # fp32 [B, T, H, K]
+        beta = torch.sigmoid(self.b_proj(x).float())  # fp32 [B, T, H]
+        if pad_mask is not None:
+            g = g * pad_mask[..., None, None]
+            beta = beta * pad_mask[..., None]
+        chunk_kda, recurrent_kda = dispatch.kda_ops(self.config.kda_backend, x.device.type)
+        kda = recurrent_kda if (recurrent is not None and T <= 4) else chunk_kda
+        o, final = kda(
+            q, k, v, g, beta, initial_state=recurrent, output_final_state=want_state,
+            cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
+        )
+        if cache is not None:
+            cache.update_kda_state(self.layer_idx, tuple(new_conv), final)
+        o = self.o_norm(o.float()).to(x.dtype)  # per-head RMSNorm in fp32 with the fp32 weight
+        gate = torch.sigmoid(self.g_proj(x)).view(B, T, H, K)
+        return self.o_proj((gate * o).reshape(B, T, H * K))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Gated NoPE MLA (SPEC 3)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """query [B, H, Tq, D], key [B, H, L, D], value [B, H, L, Dv], bool mask [B, 1, Tq, L] -> [B, Tq, H, Dv]."""
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scaling
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    probs = scores.softmax(-1)
+    probs = F.dropout(probs, p=dropout, training=module.training)
+    out = torch.matmul(probs.to(value.dtype), value)
+    return out.transpose(1, 2).contiguous(), probs
+
+
+class KimiK3Attention(nn.Module):
+    """Multi-head latent attention without rotary (NoPE) and with a sigmoid output gate."""
+
+    def __init__(self, config: KimiK3TextConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.is_causal = True
+        self.num_heads = config.num_attention_heads
+        self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_dim, self.kv_rank = config.v_head_dim, config.kv_lora_rank
+        self.qk_dim = self.nope_dim + self.rope_dim
+        self.scaling = self.qk_dim**-0.5
+        d, H = config.hidden_size, self.num_heads
+        eps = config.mla_latent_norm_eps
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, H * self.qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = KimiK3RMSNorm(config.q_lora_rank, eps=eps)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, H * self.qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_rank + self.rope_dim, bias=False)
+        self.kv_a_layernorm = KimiK3RMSNorm(self.kv_rank, eps=eps)
+        self.kv_b_proj = nn.Linear(self.kv_rank, H * (self.nope_dim + self.v_dim), bias=False)
+        self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
+        self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
+
+    def forward(self, x, attention_mask=None, cache: KimiK3Cache | None = None, **kwargs):
+        B, T, _ = x.shape
+        H = self.num_heads
+        if self.config.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(B, T, H, self.qk_dim)  # [B, T, H, dn + dr]
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)
+        c = self.kv_a_layernorm(c)  # [B, T, r]; NoPE: k_pe is used as is, never rotated
+        if cache is not None:
+            # Decode and cached prefill attend over the latent directly (kv_b_proj absorbed).
+            latent = cache.update_latent(self.layer_idx, torch.cat([c, k_pe], dim=-1))  # [B, L, r + dr]
+            c_all, k_pe_all = latent.to(x.dtype).split([self.kv_rank, self.rope_dim], dim=-1)
+            out = mla_absorbed_attention(
+                q_nope, q_pe, c_all, k_pe_all, self.kv_b_proj.weight, self.v_dim, self.scaling, attention_mask
+            )
+        else:
+            kv = self.kv_b_proj(c).view(B, T, H, self.nope_dim + self.v_dim)
+            k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+            k = torch.cat([k_nope, k_pe[:, :, None].expand(B, T, H, self.rope_dim)], dim=-1)
+            attention = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention_forward
+            )
+            out, _ = attention(
+                self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask,
+                dropout=0.0, scaling=self.scaling, is_causal=False,
+            )
+        out = out.reshape(B, T, H * self.v_dim).to(x.dtype)
+        return self.o_proj(torch.sigmoid(self.g_proj(x)) * out)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stable LatentMoE (SPEC 5)
+# ----------------------------------------------------------------------------------------------------------
+
+
+class KimiK3TopkRouter(nn.Module):
+    """Sigmoid router: select on `s + e_score_correction_bias`, mix with the unbiased `s`, renormalised."""
+
+    def __init__(self, config: KimiK3TextConfig):
+        super().__init__()
+        self.config = config
+        self.top_k = config.num_experts_per_token
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor):
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E] fp32
+        biased = scores + self.e_score_correction_bias.float()
+        top_idx = biased.topk(self.top_k, dim=-1).indices  # [N, k]
+        top_w = scores.gather(1, top_idx)
+        if self.config.moe_renormalize:
+            top_w = top_w / (top_w.sum(-1, keepdim=True) + 1e-20)
+        return scores, top_w * self.config.routed_scaling_factor, top_idx
+
+
+@use_experts_implementation
+class KimiK3Experts(nn.Module):
+    """Routed experts as 3-D tensors (`gate_up_proj [E, 2I, D]`, `down_proj [E, D, I]`) in the latent width D."""
+
+    def __init__(self, config: KimiK3TextConfig):
+        super().__init__()
+        self.config = config
+        self.num_experts = config.num_experts
+        self.hidden_dim = config.routed_expert_hidden_size
+        self.intermediate_dim = config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return situ_glu(gate, up, self.config.activation_situ_beta, self.config.activation_situ_linear_beta)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        hit = torch.unique(top_k_index)
+        for expert in hit.tolist():
+            token, slot = torch.where(top_k_index == expert)
+            h = F.linear(hidden_states[token], self.gate_up_proj[expert])
+            h = F.linear(self._apply_gate(h), self.down_proj[expert])
+            out.index_add_(0, token, (h * top_k_weights[token, slot, None]).to(out.dtype))
+        return out
+
+
+class KimiK3LatentMoE(nn.Module):
+    """Route in full width, run the experts in a half-width latent, norm, project back, add the shared experts."""
+
+    def __init__(self, config: KimiK3TextConfig):
+        super().__init__()
+        self.config = config
+        self.gate = KimiK3TopkRouter(config)
+        self.routed_expert_down_proj = nn.Linear(config.hidden_size, config.routed_expert_hidden_size, bias=False)
+        self.experts = KimiK3Experts(config)
+        if config.latent_moe_use_norm:
+            self.routed_expert_norm = KimiK3RMSNorm(config.routed_expert_hidden_size, eps=config.rms_norm_eps)
+        self.routed_expert_up_proj = nn.Linear(config.routed_expert_hidden_size, config.hidden_size, bias=False)
+        self.shared_experts = KimiK3MLP(config, config.moe_intermediate_size * config.num_shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])  # [N, d]
+        _, top_w, top_idx = self.gate(flat)
+        z = self.routed_expert_down_proj(flat)  # [N, D]
+        u = self.experts(z, top_idx, top_w.to(z.dtype))
+        if self.config.latent_moe_use_norm:
+            u = self.routed_expert_norm(u)
+        y = self.routed_expert_up_proj(u) + self.shared_experts(flat)
+        return y.view(shape)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Decoder layer with Block Attention Residuals (SPEC 4)
+# ----------------------------------------------------------------------------------------------------------
+
+
+class KimiK3DecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: KimiK3TextConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.layer_type = config.layer_types[layer_idx]
+        d, eps = config.hidden_size, config.rms_norm_eps
+        if self.layer_type == FULL_ATTENTION:
+            self.self_attn = KimiK3Attention(config, layer_idx)
+        else:
+            self.self_attn = KimiK3DeltaAttention(config, layer_idx)
+        if config.mlp_layer_types[layer_idx] == "sparse":
+            self.block_sparse_moe = KimiK3LatentMoE(config)
+        else:
+            self.mlp = KimiK3MLP(config, config.intermediate_size)
+        self.input_layernorm = KimiK3RMSNorm(d, eps)
+        self.post_attention_layernorm = KimiK3RMSNorm(d, eps)
+        # AttnRes sites: a pseudo-query (`*_res_proj.weight [1, d]`) and a key-norm weight (`*_res_norm.weight`).
+        self.self_attention_res_norm = KimiK3RMSNorm(d, eps)
+        self.self_attention_res_proj = nn.Linear(d, 1, bias=False)
+        self.mlp_res_norm = KimiK3RMSNorm(d, eps)
+        self.mlp_res_proj = nn.Linear(d, 1, bias=False)
+
+    def _mix(self, norm, proj, blocks, partial):
+        return attn_res(blocks + [partial], proj.weight, norm.weight, norm.variance_epsilon)
+
+    def forward(self, partial, blocks, attention_mask=None, pad_mask=None, cache=None, cu_seqlens=None):
+        """`partial` is the running sum P of the current block, `blocks` the completed block snapshots."""
+        h = self._mix(self.self_attention_res_norm, self.self_attention_res_proj, blocks, partial) if blocks else partial
+        if self.layer_idx % self.config.attn_res_block_size == 0:
+            blocks, partial = blocks + [partial], None
+        normed = self.input_layernorm(h)
+        if self.layer_type == FULL_ATTENTION:
+            a = self.self_attn(normed, attention_mask=attention_mask, cache=cache)
+        else:
+            a = self.self_attn(normed, pad_mask=pad_mask, cache=cache, cu_seqlens=cu_seqlens)
+        partial = a if partial is None else partial + a
+        h = self._mix(self.mlp_res_norm, self.mlp_res_proj, blocks, partial)
+        ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        partial = partial + ffn(self.post_attention_layernorm(h))
+        return partial, blocks
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Model and heads
+# ----------------------------------------------------------------------------------------------------------
+
+
+class KimiK3PreTrainedModel(PreTrainedModel):
+    config_class = KimiK3TextConfig
+    config: KimiK3TextConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["KimiK3DecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_attention_backend = True
+    _is_stateful = True
+    _can_compile_fullgraph = False
+    # The precision contract: these stay fp32 whatever dtype the model is loaded in.
+    _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "o_norm",
+                                    "e_score_correction_bias"]
+    _keys_to_ignore_on_load_unexpected = [r"^vision_tower\.", r"^mm_projector\."]
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.get_text_config().initializer_range if hasattr(self.config, "get_text_config") else 0.02
+        if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)):
+            if module.weight.device.type != "meta":
+                module.weight.normal_(0.0, std)
+            if getattr(module, "bias", None) is not None and module.bias.device.type != "meta":
+                module.bias.zero_()
+        elif isinstance(module, nn.Embedding):
+            if module.weight.device.type != "meta":
+                module.weight.normal_(0.0, std)
+        elif isinstance(module, KimiK3RMSNorm):
+            if module.weight.device.type != "meta":
+                module.weight.fill_(1.0)
+        elif isinstance(module, KimiK3Experts):
+            if module.gate_up_proj.device.type != "meta":
+                module.gate_up_proj.normal_(0.0, std)
+                module.down_proj.normal_(0.0, std)
+        elif isinstance(module, KimiK3TopkRouter):
+            if module.weight.device.type != "meta":
+                module.weight.normal_(0.0, std)
+                module.e_score_correction_bias.zero_()
+        elif isinstance(module, KimiK3DeltaAttention) and module.A_log.device.type != "meta":
+            # fla's initialisation: A in [1, 16], dt = softplus^-1 of log-uniform [1e-3, 1e-1]; padding stays 0.
+            module.A_log.zero_()
+            module.A_log[: module.num_heads].uniform_(1.0, 16.0).log_()
+            dt = torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+            module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        if isinstance(module, KimiK3DecoderLayer) or isinstance(module, KimiK3Model):
+            # AttnRes pseudo-queries start at zero: a uniform mix over depth.
+            for name, param in module.named_parameters(recurse=False):
+                pass
+            for proj in ("self_attention_res_proj", "mlp_res_proj", "output_attn_res_proj"):
+                sub = getattr(module, proj, None)
+                if sub is not None and sub.weight.device.type != "meta":
+                    sub.weight.zero_()
+
+
+def _attention_inputs(attention_mask, position_ids, batch, length, past, device, cu_seqlens, has_cache):
+    """Build what the two layer kinds need from the usual transformers inputs.
+
+    Returns `(mla_mask [B, 1, T, past + T] bool, pad_mask [B, T] float or None, cu_seqlens or None)`.
+    Packed sequences (position ids restarting at 0 with no attention mask, or `cu_seqlens`) get a
+    block-diagonal mask and varlen boundaries for the recurrence and the convs.
+    """
+    total = past + length
+    q_pos = torch.arange(past, total, device=device)
+    k_pos = torch.arange(total, device=device)
+    mask = (k_pos[None, :] <= q_pos[:, None])[None, None].expand(batch, 1, length, total)  # causal
+    pad_mask = None
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or attention_mask.shape != (batch, total):
+            raise ValueError(
+                f"attention_mask must be 2-D [batch, past + new tokens] = [{batch}, {total}], "
+                f"got {list(attention_mask.shape)}"
+            )
+        valid = attention_mask.bool()
+        if not bool(valid.all()):
+            mask = mask & valid[:, None, None, :]
+            pad_mask = valid[:, past:].float()
+    segments = None
+    if cu_seqlens is None and attention_mask is None and position_ids is not None and past == 0 and length > 1:
+        if bool((position_ids[:, 1:] == 0).any()):
+            starts = (position_ids == 0).clone()
+            starts[:, 0] = True
+            flat = starts.reshape(-1).nonzero().flatten()
+            cu_seqlens = torch.cat([flat, flat.new_tensor([batch * length])])
+    if cu_seqlens is not None:
+        if has_cache:
+            raise ValueError("packed sequences (cu_seqlens or restarting position_ids) cannot be used with a cache")
+        cu_seqlens = cu_seqlens.to(device=device, dtype=torch.long)
+        if int(cu_seqlens[-1]) != batch * length:
+            raise ValueError(f"cu_seqlens must end at batch * seq_len = {batch * length}, got {int(cu_seqlens[-1])}")
+        seg_ids = torch.zeros(batch * length, dtype=torch.long, device=device)
+        seg_ids[cu_seqlens[1:-1]] = 1
+        segments = seg_ids.cumsum(0).view(batch, length)
+        mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])
+    # A query with no visible key (left padding) would give NaN; let it see itself. Its output is never used.
+    diag = torch.zeros(length, total, dtype=torch.bool, device=device)
+    diag[torch.arange(length), q_pos] = True
+    return mask | diag, pad_mask, cu_seqlens
+
+
+class KimiK3Model(KimiK3PreTrainedModel):
+    def __init__(self, config: KimiK3TextConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([KimiK3DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.output_attn_res_norm = KimiK3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
+        self.norm = KimiK3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        inputs_embeds=None,
+        use_cache=None,
+        output_hidden_states=None,
+        cu_seqlens=None,
+        past_key_values=None,
+        cache=None,
+        return_dict=None,
+        **kwargs,
+    ):
+        cache = _pop_cache(kwargs, cache, past_key_values)
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if self.gradient_checkpointing and self.training:
+            use_cache = False  # checkpointed layers re-run their forward: a state must never advance twice
+        if use_cache and cache is None:
+            cache = KimiK3Cache(self.config)
+        if not use_cache:
+            cache = None
+        if cache is not None and not isinstance(cache, KimiK3Cache):
+            raise TypeError(f"Kimi K3 needs a KimiK3Cache, got {type(cache).__name__}")
+        if cu_seqlens is None:
+            cu_seqlens = kwargs.pop("cu_seq_lens_q", None)
+        B, T, _ = inputs_embeds.shape
+        past = cache.get_seq_length() if cache is not None else 0
+        mla_mask, pad_mask, cu_seqlens = _attention_inputs(
+            attention_mask, position_ids, B, T, past, inputs_embeds.device, cu_seqlens, cache is not None
+        )
+        packed = cu_seqlens is not None
+        partial, blocks = inputs_embeds, []
+        hidden_states = (inputs_embeds,) if output_hidden_states else None
+        for layer in self.layers:
+            if packed:
+                # The recurrence and convs see one flat stream split at the boundaries.
+                flat_cu = cu_seqlens
+                partial, blocks = self._packed_layer(layer, partial, blocks, mla_mask, flat_cu)
+            else:
+                partial, blocks = layer(partial, blocks, mla_mask, pad_mask, cache, None)
+            if output_hidden_states:
+                hidden_states += (partial,)
+        h = attn_res(blocks + [partial], self.output_attn_res_proj.weight, self.output_attn_res_norm.weight,
+                     self.output_attn_res_norm.variance_epsilon)
+        h = self.norm(h)
+        return BaseModelOutputWithPast(last_hidden_state=h, hidden_states=hidden_states, **{CACHE_KWARG: cache})
+
+    def _packed_layer(self, layer, partial, blocks, mla_mask, cu_seqlens):
+        if layer.layer_type == FULL_ATTENTION or partial.shape[0] == 1:
+            if partial.shape[0] == 1 or layer.layer_type == FULL_ATTENTION:
+                if layer.layer_type != FULL_ATTENTION:
+                    return layer(partial, blocks, mla_mask, None, None, cu_seqlens)
+                return layer(partial, blocks, mla_mask, None, None, None)
+        # Batch > 1 of packed rows: run the whole layer on the flattened stream (AttnRes and the FFN are per
+        # token, so flattening changes nothing for them).
+        B, T, d = partial.shape
+        flat_blocks = [b.reshape(1, B * T, d) for b in blocks]
+        out, new_blocks = layer(partial.reshape(1, B * T, d), flat_blocks, None, None, None, cu_seqlens)
+        return out.view(B, T, d), [b.view(B, T, d) for b in new_blocks]
+
+
+class _KimiK3GenerationMixin:
+    """Plug the hybrid cache into generate (transformers would otherwise build a DynamicCache)."""
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        user_cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        if user_cache is not None:
+            if not isinstance(user_cache, KimiK3Cache):
+                raise TypeError(f"Kimi K3 generates with a KimiK3Cache, got {type(user_cache).__name__}")
+            return
+        if generation_config.use_cache is False:
+            return
+        impl = generation_config.cache_implementation
+        if impl not in (None, "dynamic", "hybrid", "kimi_k3"):
+            raise ValueError(
+                f"cache_implementation={impl!r} is not supported by Kimi K3: it uses its own hybrid paged cache"
+            )
+        model_kwargs[CACHE_KWARG] = KimiK3Cache(self.config)
+
+    def _supports_default_dynamic_cache(self):
+        return False
+
+
+class KimiK3ForCausalLM(_KimiK3GenerationMixin, KimiK3PreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: KimiK3TextConfig):
+        super().__init__(config)
+        self.model = KimiK3Model(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        past_key_values=None,
+        cache=None,
+        **kwargs,
+    ):
+        cache = _pop_cache(kwargs, cache, past_key_values)
+        outputs = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            inputs_embeds=inputs_embeds, use_cache=use_cache, cache=cache,
+            output_hidden_states=kwargs.pop("output_hidden_states", None), cu_seqlens=kwargs.pop("cu_seqlens", None),
+            cu_seq_lens_q=kwargs.pop("cu_seq_lens_q", None),
+        )
+        h = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(h[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states,
+            **{CACHE_KWARG: getattr(outputs, CACHE_KWARG)},
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The released container: language model, vision tower, projector
+# ----------------------------------------------------------------------------------------------------------
+
+
+class KimiK3VisionBlock(nn.Module):
+    def __init__(self, vc):
+        super().__init__()
+        self.norm0 = KimiK3RMSNorm(vc.vt_hidden_size)
+        self.norm1 = KimiK3RMSNorm(vc.vt_hidden_size)
+        self.wqkv = nn.Linear(vc.vt_hidden_size, 3 * vc.qkv_hidden_size, bias=False)
+        self.wo = nn.Linear(vc.qkv_hidden_size, vc.vt_hidden_size, bias=False)
+        self.mlp = nn.Module()
+        self.mlp.fc0 = nn.Linear(vc.vt_hidden_size, vc.vt_intermediate_size, bias=False)
+        self.mlp.fc1 = nn.Linear(vc.vt_intermediate_size, vc.vt_hidden_size, bias=False)
+
+
+class KimiK3VisionTower(nn.Module):
+    """MoonViT-V2 under its released names. The weights load and save; running images is not implemented yet."""
+
+    def __init__(self, vc):
+        super().__init__()
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Conv2d(3, vc.vt_hidden_size, vc.patch_size, vc.patch_size, bias=False)
+        self.patch_embed.pos_emb = nn.Module()
+        self.patch_embed.pos_emb.weight = nn.Parameter(
+            torch.zeros(vc.init_pos_emb_height, vc.init_pos_emb_width, vc.vt_hidden_size)
+        )
+        self.encoder = nn.Module()
+        self.encoder.blocks = nn.ModuleList([KimiK3VisionBlock(vc) for _ in range(vc.vt_num_hidden_layers)])
+        self.encoder.final_layernorm = KimiK3RMSNorm(vc.vt_hidden_size)
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError("The K3 vision encoder forward is not implemented yet; only text inputs run.")
+
+
+class KimiK3Projector(nn.Module):
+    def __init__(self, vc):
+        super().__init__()
+        merged = vc.mm_hidden_size * vc.merge_kernel_size[0] * vc.merge_kernel_size[1]
+        self.proj = nn.Sequential(nn.Linear(merged, merged, bias=False), nn.GELU(),
+                                  nn.Linear(merged, vc.text_hidden_size, bias=False))
+        self.post_norm = KimiK3RMSNorm(vc.text_hidden_size, eps=vc.projector_ln_eps)
+
+
+class KimiK3ForConditionalGeneration(_KimiK3GenerationMixin, KimiK3PreTrainedModel, GenerationMixin):
+    config_class = KimiK3Config
+    config: KimiK3Config
+    _keys_to_ignore_on_load_unexpected = None
+    _tied_weights_keys = {}
+
+    def __init__(self, config: KimiK3Config):
+        super().__init__(config)
+        self.language_model = KimiK3ForCausalLM(config.text_config)
+        self.vision_tower = KimiK3VisionTower(config.vision_config)
+        self.mm_projector = KimiK3Projector(config.vision_config)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.language_model.get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return self.language_model.get_output_embeddings()
+
+    def forward(self, input_ids=None, pixel_values=None, **kwargs):
+        if pixel_values is not None:
+            raise NotImplementedError("Image inputs are not supported yet by this build of transformers-k3.")
+        if input_ids is not None and bool((input_ids == self.config.media_placeholder_token_id).any()):
+            raise ValueError(
+                f"input_ids contain the media placeholder token {self.config.media_placeholder_token_id} "
+                "but no images were given (and image inputs are not supported yet)"
+            )
+        return self.language_model(input_ids=input_ids, **kwargs)
+
+
+__all__ = [
+    "KimiK3PreTrainedModel", "KimiK3Model", "KimiK3ForCausalLM", "KimiK3ForConditionalGeneration",
+    "KimiK3Attention", "KimiK3DeltaAttention", "KimiK3LatentMoE", "KimiK3Experts", "KimiK3DecoderLayer",
+]

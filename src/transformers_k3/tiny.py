@@ -1,0 +1,71 @@
+"""Small checkpoints in the released layout, for tests and demos.
+
+`tiny_config()` scales the released config down while keeping every structural feature: both layer kinds in
+the 3:1 pattern with a final MLA layer, several AttnRes blocks, a dense layer 0, the latent MoE with MXFP4
+experts (the release's `quantization_config`), a padded `A_log` (head_dim > num_heads), the vision slots.
+`write_tiny_checkpoint(dir)` saves random weights there through `save_pretrained`, i.e. in the released layout.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+
+from .configuration_kimi_k3 import KimiK3Config
+
+_RELEASED_CONFIG = Path(__file__).with_name("released_config.json")
+
+
+def released_config_dict() -> dict:
+    return json.loads(_RELEASED_CONFIG.read_text())
+
+
+def tiny_config(num_hidden_layers: int = 8, vocab_size: int = 512, **text_overrides) -> KimiK3Config:
+    d = released_config_dict()
+    t = d["text_config"]
+    n = num_hidden_layers
+    mla = [i for i in range(1, n + 1) if i % 4 == 0 or i == n]
+    t.update(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts=16, num_experts_per_token=4,
+        routed_expert_hidden_size=32, attn_res_block_size=3, mla_page_size=8,
+        bos_token_id=vocab_size - 4, eos_token_id=vocab_size - 3, pad_token_id=vocab_size - 1,
+    )
+    t["linear_attn_config"] = dict(
+        t["linear_attn_config"], num_heads=4, head_dim=16,
+        kda_layers=[i for i in range(1, n + 1) if i not in mla], full_attn_layers=mla,
+    )
+    t.update(text_overrides)
+    d["vision_config"].update(
+        vt_hidden_size=32, vt_intermediate_size=64, vt_num_attention_heads=2, vt_num_hidden_layers=2,
+        qkv_hidden_size=32, mm_hidden_size=32, text_hidden_size=64, init_pos_emb_height=8, init_pos_emb_width=8,
+    )
+    d.update(bos_token_id=vocab_size - 4, eos_token_id=vocab_size - 3, pad_token_id=vocab_size - 1,
+             media_placeholder_token_id=vocab_size - 2)
+    return KimiK3Config(**copy.deepcopy(d))
+
+
+def write_tiny_checkpoint(path, seed: int = 0, dtype: torch.dtype = torch.bfloat16, **config_kwargs):
+    from .modeling_kimi_k3 import KimiK3ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = tiny_config(**config_kwargs)
+    model = KimiK3ForConditionalGeneration(config)
+    with torch.no_grad():
+        # Give the zero-initialised AttnRes queries and router bias some signal so tests see them work.
+        for name, p in model.named_parameters():
+            if name.endswith("res_proj.weight"):
+                p.normal_(0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.01)
+    keep_fp32 = tuple(model._keep_in_fp32_modules_strict)
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if not any(part in keep_fp32 for part in name.split(".")):
+            t.data = t.data.to(dtype)
+    model.save_pretrained(path)
+    return path
