@@ -68,7 +68,14 @@ class KimiK3Cache(Cache):
 
     @property
     def max_batch_size(self):
-        return None if self.block_table is None else self.block_table.shape[0]
+        if self.block_table is not None:
+            return self.block_table.shape[0]
+        return self._state_batch() or None
+
+    def check_batch(self, batch: int) -> None:
+        held = self.max_batch_size
+        if held is not None and held != batch:
+            raise ValueError(f"KimiK3Cache holds {held} sequences but the input has batch size {batch}")
 
     @property
     def max_cache_len(self):

@@ -376,6 +376,28 @@ class KimiK3PreTrainedModel(PreTrainedModel):
                                     "e_score_correction_bias"]
     _keys_to_ignore_on_load_unexpected = [r"^vision_tower\.", r"^mm_projector\."]
 
+    @classmethod
+    def from_pretrained(cls, *args, strict: bool = True, **kwargs):
+        """transformers' loader, made strict: a missing tensor or one of the wrong shape raises, naming it.
+
+        transformers itself only warns and re-initialises such weights, which would silently give a broken
+        model. Pass `strict=False` to get that behaviour back (e.g. to load a partial checkpoint on purpose).
+        """
+        want_info = kwargs.pop("output_loading_info", False)
+        if strict:
+            # Let the loader finish so the error below can name every offending tensor.
+            kwargs["ignore_mismatched_sizes"] = True
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        if strict:
+            problems = []
+            if info.get("missing_keys"):
+                problems.append(f"missing tensors: {sorted(info['missing_keys'])}")
+            if info.get("mismatched_keys"):
+                problems.append(f"tensors of the wrong shape (checkpoint vs model): {sorted(info['mismatched_keys'])}")
+            if problems:
+                raise ValueError(f"{cls.__name__}: the checkpoint does not match the model: " + "; ".join(problems))
+        return (model, info) if want_info else model
+
     @torch.no_grad()
     def _init_weights(self, module):
         std = self.config.get_text_config().initializer_range if hasattr(self.config, "get_text_config") else 0.02
@@ -508,6 +530,8 @@ class KimiK3Model(KimiK3PreTrainedModel):
         if cu_seqlens is None:
             cu_seqlens = kwargs.pop("cu_seq_lens_q", None)
         B, T, _ = inputs_embeds.shape
+        if cache is not None:
+            cache.check_batch(B)
         past = cache.get_seq_length() if cache is not None else 0
         mla_mask, pad_mask, cu_seqlens = _attention_inputs(
             attention_mask, position_ids, B, T, past, inputs_embeds.device, cu_seqlens, cache is not None

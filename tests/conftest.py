@@ -1,0 +1,27 @@
+import pytest
+import torch
+
+import transformers_k3  # noqa: F401  (registers the Auto classes)
+from transformers_k3.tiny import tiny_config, write_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A small fp32 checkpoint in the released layout (MXFP4 experts, padded A_log, vision slots)."""
+    path = tmp_path_factory.mktemp("tiny_k3")
+    write_tiny_checkpoint(path, seed=0, dtype=torch.float32)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_dir):
+    from transformers_k3 import KimiK3ForConditionalGeneration
+
+    model = KimiK3ForConditionalGeneration.from_pretrained(tiny_dir, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture()
+def lm(tiny_model):
+    return tiny_model.language_model
+

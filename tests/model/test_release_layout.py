@@ -1,0 +1,151 @@
+"""Faithfulness to the release: the published config, the weight count, the layout round trip, bad inputs."""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from transformers_k3 import KimiK3Config, KimiK3ConfigError, KimiK3ForConditionalGeneration
+from transformers_k3.tiny import released_config_dict, tiny_config
+
+RELEASED_LM_WEIGHTS = 2_779_484_478_208
+
+
+def test_released_config_loads_as_published(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(released_config_dict()))
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert isinstance(config, KimiK3Config)
+    t = config.text_config
+    assert t.layer_types.count("linear_attention") == 69 and t.layer_types.count("full_attention") == 24
+    assert [i for i, x in enumerate(t.layer_types) if x == "full_attention"][-2:] == [91, 92]
+    assert t.checkpoint_quantization_config["format"] == "mxfp4-pack-quantized"
+    config.save_pretrained(tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["text_config"]["model_type"] == "kimi_linear"
+    assert saved["text_config"]["quantization_config"] == released_config_dict()["text_config"]["quantization_config"]
+    assert saved["text_config"]["linear_attn_config"] == released_config_dict()["text_config"]["linear_attn_config"]
+
+
+def test_released_config_builds_on_meta_with_the_released_weight_count():
+    config = KimiK3Config(**released_config_dict())
+    with torch.device("meta"):
+        model = KimiK3ForConditionalGeneration(config)
+    lm = model.language_model
+    count = sum(t.numel() for t in lm.state_dict().values())
+    assert count == RELEASED_LM_WEIGHTS
+    assert lm.model.layers[0].self_attn.A_log.shape == (128,)
+    assert lm.model.layers[1].block_sparse_moe.experts.gate_up_proj.shape == (896, 6144, 3584)
+
+
+def _same_bytes(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_released_layout_round_trips_bit_for_bit(tmp_path, dtype):
+    from transformers_k3.tiny import write_tiny_checkpoint
+
+    write_tiny_checkpoint(tmp_path / "a", dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "a")
+    assert isinstance(model, KimiK3ForConditionalGeneration)
+    model.save_pretrained(tmp_path / "b")
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert all(_same_bytes(a[k], b[k]) for k in a)
+    # the released names and dtypes
+    assert a["language_model.model.layers.1.block_sparse_moe.experts.3.w1.weight_packed"].dtype == torch.uint8
+    assert a["language_model.model.layers.0.self_attn.A_log"].dtype == torch.float32
+    assert any(k.startswith("vision_tower.") for k in a) and any(k.startswith("mm_projector.") for k in a)
+
+
+def test_precision_contract_after_bf16_load(tiny_dir):
+    model = KimiK3ForConditionalGeneration.from_pretrained(tiny_dir, dtype=torch.bfloat16)
+    kda = model.language_model.model.layers[0].self_attn
+    moe = model.language_model.model.layers[1].block_sparse_moe
+    for t in (kda.A_log, kda.dt_bias, kda.q_conv1d.weight, kda.k_conv1d.weight, kda.v_conv1d.weight,
+              kda.o_norm.weight, moe.gate.e_score_correction_bias):
+        assert t.dtype == torch.float32
+    assert kda.q_proj.weight.dtype == torch.bfloat16
+    out = model(input_ids=torch.randint(0, 500, (1, 6)), use_cache=True)
+    cache = out.get("cache", out.get("past_key_values"))
+    assert all(s.dtype == torch.float32 for s in cache.recurrent_states.values())
+
+
+def test_mxfp4_experts_dequantised_on_load(tiny_dir, tiny_model):
+    from k3_kernels.mxfp4.reference import dequantize_mxfp4
+
+    raw = load_file(tiny_dir / "model.safetensors")
+    p = "language_model.model.layers.2.block_sparse_moe.experts.5."
+    w1 = dequantize_mxfp4(raw[p + "w1.weight_packed"], raw[p + "w1.weight_scale"], torch.float32)
+    w3 = dequantize_mxfp4(raw[p + "w3.weight_packed"], raw[p + "w3.weight_scale"], torch.float32)
+    w2 = dequantize_mxfp4(raw[p + "w2.weight_packed"], raw[p + "w2.weight_scale"], torch.float32)
+    experts = tiny_model.language_model.model.layers[2].block_sparse_moe.experts
+    assert torch.equal(experts.gate_up_proj[5], torch.cat([w1, w3]))
+    assert torch.equal(experts.down_proj[5], w2)
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("hidden_act", "gelu", "hidden_act"),
+        ("moe_router_activation_func", "softmax", "moe_router_activation_func"),
+        ("attn_res_block_size", 0, "attn_res_block_size"),
+        ("num_experts_per_token", 64, "num_experts_per_token"),
+        ("mla_use_nope", False, "mla_use_nope"),
+    ],
+)
+def test_bad_config_fields_name_the_field(field, value, match):
+    with pytest.raises(KimiK3ConfigError, match=match):
+        tiny_config(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "kda, full, match",
+    [([1, 2, 3, 4], [4, 5, 6, 7, 8], "overlaps"), ([1, 2, 3], [4, 8], "misses"), ([0, 1, 2], [4, 8], "1-indexed")],
+    ids=["overlap", "missing", "zero-index"],
+)
+def test_bad_layer_lists(kda, full, match):
+    d = tiny_config().to_dict()["text_config"]
+    d["linear_attn_config"] = dict(d["linear_attn_config"], kda_layers=kda, full_attn_layers=full)
+    with pytest.raises(KimiK3ConfigError, match=match):
+        KimiK3Config(text_config=d)
+
+
+def _tamper(src, dst, fn):
+    import shutil
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    fn(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_missing_tensor_is_named(tiny_dir, tmp_path):
+    name = "language_model.model.layers.3.self_attn.kv_b_proj.weight"
+    _tamper(tiny_dir, tmp_path / "m", lambda t: t.pop(name))
+    with pytest.raises(ValueError, match=r"missing tensors.*layers\.3\.self_attn\.kv_b_proj"):
+        KimiK3ForConditionalGeneration.from_pretrained(tmp_path / "m")
+    # strict=False is the transformers behaviour: load, report
+    _, info = KimiK3ForConditionalGeneration.from_pretrained(tmp_path / "m", strict=False, output_loading_info=True)
+    assert name in info["missing_keys"]
+
+
+def test_wrong_shape_is_named(tiny_dir, tmp_path):
+    name = "language_model.model.layers.0.self_attn.q_proj.weight"
+    _tamper(tiny_dir, tmp_path / "s", lambda t: t.__setitem__(name, t[name][:-1].clone()))
+    with pytest.raises(ValueError, match=r"wrong shape.*layers\.0\.self_attn\.q_proj"):
+        KimiK3ForConditionalGeneration.from_pretrained(tmp_path / "s")
+
+
+def test_corrupt_shard_is_named(tiny_dir, tmp_path):
+    import shutil
+
+    shutil.copytree(tiny_dir, tmp_path / "c")
+    shard = tmp_path / "c" / "model.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(Exception, match="safetensors|model.safetensors|header|incomplete|deserializ"):
+        KimiK3ForConditionalGeneration.from_pretrained(tmp_path / "c")
