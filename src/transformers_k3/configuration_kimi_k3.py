@@ -19,7 +19,7 @@ FULL_ATTENTION = "full_attention"
 SUPPORTED_HIDDEN_ACTS = ("situ",)
 SUPPORTED_ROUTER_ACTS = ("sigmoid",)
 SUPPORTED_TOPK_METHODS = ("noaux_tc",)
-SUPPORTED_BALANCING = ("none", "quantile", "sign")
+SUPPORTED_BALANCING = ("none",)  # "quantile" and "sign" arrive with the training issue
 KDA_BACKENDS = ("auto", "torch", "triton", "fla")
 
 _DEFAULT_LINEAR_ATTN = {
@@ -55,8 +55,7 @@ class KimiK3TextConfig(PretrainedConfig):
         latent_moe_use_norm (`bool`): RMSNorm on the mixed latent before the up-projection.
         mla_use_nope / mla_use_output_gate (`bool`): K3 uses NoPE MLA with an output gate; both must be true.
         mla_latent_norm_eps (`float`): eps of the MLA latent norms (1e-6 in the reference code; uncertain).
-        moe_balancing (`str`): router bias update during training: "quantile" (Quantile Balancing), "sign"
-            (DeepSeek-V3 sign step) or "none". Frozen at inference whatever the value.
+        moe_balancing (`str`): router-bias update during training; only "none" until Quantile Balancing lands.
         kda_backend (`str`): "auto" (Triton on CUDA when present, else torch), "torch", "triton" or "fla".
         mla_page_size (`int`): tokens per page of the paged latent cache.
     """
@@ -117,9 +116,7 @@ class KimiK3TextConfig(PretrainedConfig):
         topk_method: str = "noaux_tc",
         use_grouped_topk: bool = True,
         num_nextn_predict_layers: int = 0,
-        moe_balancing: str = "quantile",
-        moe_balancing_bins: int = 256,
-        moe_balancing_sign_rate: float = 1e-3,
+        moe_balancing: str = "none",
         kda_backend: str = "auto",
         mla_page_size: int = 64,
         **kwargs,
@@ -173,8 +170,6 @@ class KimiK3TextConfig(PretrainedConfig):
         self.use_grouped_topk = use_grouped_topk
         self.num_nextn_predict_layers = num_nextn_predict_layers
         self.moe_balancing = moe_balancing
-        self.moe_balancing_bins = moe_balancing_bins
-        self.moe_balancing_sign_rate = moe_balancing_sign_rate
         self.kda_backend = kda_backend
         self.mla_page_size = mla_page_size
         # Standard transformers names: `layer_types` drives the cache and masks, `mlp_layer_types` the FFN kind.

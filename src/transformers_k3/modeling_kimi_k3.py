@@ -428,8 +428,6 @@ class KimiK3PreTrainedModel(PreTrainedModel):
             module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
         if isinstance(module, KimiK3DecoderLayer) or isinstance(module, KimiK3Model):
             # AttnRes pseudo-queries start at zero: a uniform mix over depth.
-            for name, param in module.named_parameters(recurse=False):
-                pass
             for proj in ("self_attention_res_proj", "mlp_res_proj", "output_attn_res_proj"):
                 sub = getattr(module, proj, None)
                 if sub is not None and sub.weight.device.type != "meta":
@@ -541,9 +539,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
         hidden_states = (inputs_embeds,) if output_hidden_states else None
         for layer in self.layers:
             if packed:
-                # The recurrence and convs see one flat stream split at the boundaries.
-                flat_cu = cu_seqlens
-                partial, blocks = self._packed_layer(layer, partial, blocks, mla_mask, flat_cu)
+                partial, blocks = self._packed_layer(layer, partial, blocks, mla_mask, cu_seqlens)
             else:
                 partial, blocks = layer(partial, blocks, mla_mask, pad_mask, cache, None)
             if output_hidden_states:
@@ -554,14 +550,11 @@ class KimiK3Model(KimiK3PreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=h, hidden_states=hidden_states, **{CACHE_KWARG: cache})
 
     def _packed_layer(self, layer, partial, blocks, mla_mask, cu_seqlens):
-        if layer.layer_type == FULL_ATTENTION or partial.shape[0] == 1:
-            if partial.shape[0] == 1 or layer.layer_type == FULL_ATTENTION:
-                if layer.layer_type != FULL_ATTENTION:
-                    return layer(partial, blocks, mla_mask, None, None, cu_seqlens)
-                return layer(partial, blocks, mla_mask, None, None, None)
-        # Batch > 1 of packed rows: run the whole layer on the flattened stream (AttnRes and the FFN are per
-        # token, so flattening changes nothing for them).
+        """Packed rows: MLA uses the block-diagonal mask; KDA sees one flat stream cut at `cu_seqlens`."""
+        if layer.layer_type == FULL_ATTENTION:
+            return layer(partial, blocks, mla_mask, None, None, None)
         B, T, d = partial.shape
+        # AttnRes and the FFN are per token, so running the whole layer on the flat stream changes nothing else.
         flat_blocks = [b.reshape(1, B * T, d) for b in blocks]
         out, new_blocks = layer(partial.reshape(1, B * T, d), flat_blocks, None, None, None, cu_seqlens)
         return out.view(B, T, d), [b.view(B, T, d) for b in new_blocks]

@@ -60,6 +60,12 @@ def test_packed_equals_separate(lm):
     cu = torch.tensor([0, 7, 8, 20])
     out_cu = lm(input_ids=packed, cu_seq_lens_q=cu, use_cache=False).logits
     assert rel_err(out_cu, sep) < TOL
+    # two packed rows at once: no leakage across rows either
+    rows = torch.cat([packed, packed.flip(1)], 0)
+    pos = torch.cat([position_ids, torch.cat([torch.arange(12), torch.arange(1), torch.arange(7)])[None]], 0)
+    out2 = lm(input_ids=rows, position_ids=pos, use_cache=False).logits
+    sep2 = torch.cat([lm(input_ids=s.flip(1), use_cache=False).logits for s in (c, b, a)], 1)
+    assert rel_err(out2[0], sep[0]) < TOL and rel_err(out2[1], sep2[0]) < TOL
 
 
 @torch.no_grad()
