@@ -22,7 +22,10 @@ def main():
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     path = tempfile.mkdtemp()
     write_tiny_checkpoint(path, dtype=torch.float32)
     lm = KimiK3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval().language_model
