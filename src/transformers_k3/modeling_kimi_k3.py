@@ -126,6 +126,13 @@ class KimiK3DeltaAttention(nn.Module):
         for proj, conv, state in zip(
             (self.q_proj, self.k_proj, self.v_proj), (self.q_conv1d, self.k_conv1d, self.v_conv1d), conv_states
         ):
+            if type(conv) is not nn.Conv1d:
+                # The conv is run from its weight by the op (with its state); a wrapper (e.g. a LoRA) would be
+                # bypassed silently. Depthwise convs (groups > 1) cannot take mergeable adapters anyway.
+                raise TypeError(
+                    f"layer {self.layer_idx}: the depthwise short convs (q_conv1d, k_conv1d, v_conv1d) cannot be "
+                    f"adapted or replaced (found {type(conv).__name__}); leave them out of target_modules"
+                )
             y, s = dispatch.causal_conv1d(
                 proj(x), conv.weight, initial_state=state, output_final_state=want_state, cu_seqlens=cu_seqlens
             )
@@ -194,6 +201,13 @@ class KimiK3Attention(nn.Module):
         self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
 
+    def _kv_b_weight(self) -> torch.Tensor:
+        """The weight `kv_b_proj` applies, `[H * (dn + dv), r]`, also when it is wrapped (a LoRA adds its delta)."""
+        if type(self.kv_b_proj) is nn.Linear:
+            return self.kv_b_proj.weight
+        eye = torch.eye(self.kv_rank, device=self.kv_b_proj.weight.device, dtype=self.kv_b_proj.weight.dtype)
+        return self.kv_b_proj(eye).T  # a linear map is its action on the basis
+
     def forward(self, x, attention_mask=None, cache: KimiK3Cache | None = None, **kwargs):
         B, T, _ = x.shape
         H = self.num_heads
@@ -210,7 +224,7 @@ class KimiK3Attention(nn.Module):
             latent = cache.update_latent(self.layer_idx, torch.cat([c, k_pe], dim=-1))  # [B, L, r + dr]
             c_all, k_pe_all = latent.to(x.dtype).split([self.kv_rank, self.rope_dim], dim=-1)
             out = mla_absorbed_attention(
-                q_nope, q_pe, c_all, k_pe_all, self.kv_b_proj.weight, self.v_dim, self.scaling, attention_mask
+                q_nope, q_pe, c_all, k_pe_all, self._kv_b_weight(), self.v_dim, self.scaling, attention_mask
             )
         else:
             kv = self.kv_b_proj(c).view(B, T, H, self.nope_dim + self.v_dim)
@@ -516,11 +530,11 @@ class KimiK3Model(KimiK3PreTrainedModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache is None:
+            # As in transformers: a cache by default at inference; none while training (nothing reads it).
+            use_cache = self.config.use_cache and not self.training
         if self.gradient_checkpointing and self.training:
             use_cache = False  # checkpointed layers re-run their forward: a state must never advance twice
-        if use_cache and cache is None:
-            cache = KimiK3Cache(self.config)
         if not use_cache:
             cache = None
         if cache is not None and not isinstance(cache, KimiK3Cache):
@@ -534,6 +548,8 @@ class KimiK3Model(KimiK3PreTrainedModel):
         mla_mask, pad_mask, cu_seqlens = _attention_inputs(
             attention_mask, position_ids, B, T, past, inputs_embeds.device, cu_seqlens, cache is not None
         )
+        if use_cache and cache is None and cu_seqlens is None:
+            cache = KimiK3Cache(self.config)  # a fresh cache: past = 0, so the masks above still hold
         packed = cu_seqlens is not None
         partial, blocks = inputs_embeds, []
         hidden_states = (inputs_embeds,) if output_hidden_states else None
