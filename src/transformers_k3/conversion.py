@@ -26,7 +26,7 @@ def experts_are_mxfp4(text_config) -> bool:
 
 
 def register_conversions() -> None:
-    # Keyed by class name: the container and the standalone language model share the expert rules; the
-    # MXFP4 choice is made per model in `KimiK3PreTrainedModel` (see `_mxfp4_conversions`).
-    for key in ("kimi_k3_text",):
-        register_checkpoint_conversion_mapping(key, expert_conversions(quantized=True), overwrite=True)
+    # Keyed by the text model type only: transformers applies it to `KimiK3ForCausalLM` alone and, scoped to
+    # `language_model.`, inside the container (registering the container too would apply it twice).
+    # Models whose config has no MXFP4 block save their experts unconverted (`KimiK3PreTrainedModel.save_pretrained`).
+    register_checkpoint_conversion_mapping("kimi_k3_text", expert_conversions(quantized=True), overwrite=True)

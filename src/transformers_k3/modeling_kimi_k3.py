@@ -26,6 +26,7 @@ from k3_kernels.mla.reference import mla_absorbed_attention
 from k3_kernels.situ.reference import situ_glu
 
 from .cache_kimi_k3 import KimiK3Cache
+from .conversion import experts_are_mxfp4
 from .configuration_kimi_k3 import FULL_ATTENTION, KimiK3Config, KimiK3TextConfig
 
 # transformers renamed the cache keyword from `past_key_values` to `cache` (5.2x); speak whichever it speaks.
@@ -411,6 +412,25 @@ class KimiK3PreTrainedModel(PreTrainedModel):
             if problems:
                 raise ValueError(f"{cls.__name__}: the checkpoint does not match the model: " + "; ".join(problems))
         return (model, info) if want_info else model
+
+    def save_pretrained(self, *args, **kwargs):
+        """Released layout when the config says the experts are MXFP4; otherwise the 3-D experts as they are.
+
+        Without this a model trained from scratch with no `quantization_config` would be quantised on save.
+        """
+        text_config = self.config.get_text_config(decoder=True)
+        if experts_are_mxfp4(text_config):
+            return super().save_pretrained(*args, **kwargs)
+        # An empty (not None) list tells transformers' saver there are no conversions to revert.
+        saved = self.__dict__.get("_weight_conversions", None)
+        self._weight_conversions = []
+        try:
+            return super().save_pretrained(*args, **kwargs)
+        finally:
+            if saved is None:
+                del self._weight_conversions
+            else:
+                self._weight_conversions = saved
 
     @torch.no_grad()
     def _init_weights(self, module):

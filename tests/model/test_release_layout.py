@@ -61,6 +61,21 @@ def test_released_layout_round_trips_bit_for_bit(tmp_path, dtype):
     assert any(k.startswith("vision_tower.") for k in a) and any(k.startswith("mm_projector.") for k in a)
 
 
+def test_unquantized_config_saves_experts_unconverted(tmp_path):
+    config = tiny_config()
+    config.text_config.checkpoint_quantization_config = None
+    torch.manual_seed(0)
+    model = KimiK3ForConditionalGeneration(config)
+    model.save_pretrained(tmp_path)
+    raw = load_file(tmp_path / "model.safetensors")
+    key = "language_model.model.layers.1.block_sparse_moe.experts.gate_up_proj"
+    assert key in raw and not any("weight_packed" in k for k in raw)
+    assert torch.equal(raw[key], model.language_model.model.layers[1].block_sparse_moe.experts.gate_up_proj)
+    again = KimiK3ForConditionalGeneration.from_pretrained(tmp_path)
+    assert torch.equal(again.language_model.model.layers[1].block_sparse_moe.experts.down_proj,
+                       model.language_model.model.layers[1].block_sparse_moe.experts.down_proj)
+
+
 def test_precision_contract_after_bf16_load(tiny_dir):
     model = KimiK3ForConditionalGeneration.from_pretrained(tiny_dir, dtype=torch.bfloat16)
     kda = model.language_model.model.layers[0].self_attn
