@@ -61,6 +61,7 @@ class KimiK3TextConfig(PretrainedConfig):
     """
 
     model_type = "kimi_k3_text"
+    base_config_key = "text_config"
     # The release writes `kimi_linear` as the text model type; `KimiK3Config.to_dict` writes it back.
     released_model_type = "kimi_linear"
     keys_to_ignore_at_inference = ["past_key_values"]

@@ -61,6 +61,14 @@ def test_released_layout_round_trips_bit_for_bit(tmp_path, dtype):
     assert any(k.startswith("vision_tower.") for k in a) and any(k.startswith("mm_projector.") for k in a)
 
 
+def test_causal_lm_alone_refuses_the_container_layout_loudly(tiny_dir):
+    """Not mapped yet: the text model alone from the container must fail loudly, never half-load."""
+    from transformers_k3 import KimiK3ForCausalLM
+
+    with pytest.raises(ValueError, match="missing tensors"):
+        KimiK3ForCausalLM.from_pretrained(tiny_dir)
+
+
 def test_unquantized_config_saves_experts_unconverted(tmp_path):
     config = tiny_config()
     config.text_config.checkpoint_quantization_config = None
