@@ -413,6 +413,23 @@ class KimiK3PreTrainedModel(PreTrainedModel):
                 raise ValueError(f"{cls.__name__}: the checkpoint does not match the model: " + "; ".join(problems))
         return (model, info) if want_info else model
 
+    def _apply(self, fn, recurse=True):
+        """`.to(dtype)`, `.bfloat16()`, `.half()` keep the precision contract: those tensors stay fp32, unrounded."""
+        keep = set(self._keep_in_fp32_modules_strict)
+        saved = [
+            (module, name, tensor.detach().clone())
+            for module_name, module in self.named_modules()
+            for name, tensor in list(module._parameters.items()) + list(module._buffers.items())
+            if tensor is not None and tensor.dtype == torch.float32
+            and keep & set(f"{module_name}.{name}".split("."))
+        ]
+        out = super()._apply(fn, recurse)
+        for module, name, original in saved:
+            current = getattr(module, name)
+            if current.is_floating_point() and current.dtype != torch.float32:
+                current.data = original.to(current.device)
+        return out
+
     def save_pretrained(self, *args, **kwargs):
         """Released layout when the config says the experts are MXFP4; otherwise the 3-D experts as they are.
 

@@ -97,6 +97,19 @@ def test_precision_contract_after_bf16_load(tiny_dir):
     assert all(s.dtype == torch.float32 for s in cache.recurrent_states.values())
 
 
+def test_precision_contract_survives_to_bf16(tiny_dir):
+    model = KimiK3ForConditionalGeneration.from_pretrained(tiny_dir, dtype=torch.float32)
+    kda = model.language_model.model.layers[0].self_attn
+    a_log, conv = kda.A_log.detach().clone(), kda.q_conv1d.weight.detach().clone()
+    model.to(torch.bfloat16)
+    assert kda.q_proj.weight.dtype == torch.bfloat16
+    assert kda.A_log.dtype == torch.float32 and torch.equal(kda.A_log, a_log)
+    assert kda.q_conv1d.weight.dtype == torch.float32 and torch.equal(kda.q_conv1d.weight, conv)
+    assert model.language_model.model.layers[1].block_sparse_moe.gate.e_score_correction_bias.dtype == torch.float32
+    model.half()
+    assert kda.dt_bias.dtype == torch.float32 and kda.o_norm.weight.dtype == torch.float32
+
+
 def test_mxfp4_experts_dequantised_on_load(tiny_dir, tiny_model):
     from k3_kernels.mxfp4.reference import dequantize_mxfp4
 
