@@ -63,9 +63,6 @@ def write_tiny_checkpoint(path, seed: int = 0, dtype: torch.dtype = torch.bfloat
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.01)
-    keep_fp32 = tuple(model._keep_in_fp32_modules_strict)
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if not any(part in keep_fp32 for part in name.split(".")):
-            t.data = t.data.to(dtype)
+    model.to(dtype)  # the precision-contract tensors stay fp32 (KimiK3PreTrainedModel._apply)
     model.save_pretrained(path)
     return path
