@@ -1,7 +1,15 @@
-import pytest
+import os
+
 import torch
 
-import transformers_k3  # noqa: F401  (registers the Auto classes)
+# Without a GPU the Triton kernels' tests run on the CPU interpreter. The switch is read when triton is first
+# imported (fla and transformers may import it), so it is set here, before anything else.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+import transformers_k3  # noqa: F401,E402  (registers the Auto classes)
 from transformers_k3.tiny import tiny_config, write_tiny_checkpoint
 
 

@@ -1,0 +1,195 @@
+"""Routed experts of the K3 latent MoE in Triton: grouped matmuls with SiTU-GLU fused, bf16 or MXFP4 weights (W4A16).
+
+The (token, slot) assignments are sorted by expert and each expert's run is padded to a multiple of BLOCK_M
+(`_align`), so one program always multiplies BLOCK_M rows by one expert's weight tile. Two kernels:
+
+1. `_gate_up_situ`: `h = SiTU-GLU(x W_gate^T, x W_up^T)` for a `[BLOCK_M, BLOCK_N]` tile of the intermediate width,
+   both products accumulated side by side so `x` is loaded once; written as `[padded rows, I]` in x.dtype.
+2. `_down`: `y = (h W_down^T) * routing weight`, added with an fp32 atomic into `out[token]` (a token's 16 slots
+   meet there; fp32 keeps the sum as accurate as the reference).
+
+MXFP4 weights stay packed in memory (uint8 E2M1 pairs plus one E8M0 byte per 32 inputs, the release layout) and
+are unpacked in registers right before `tl.dot`: the kernel moves ~4.25 bits a weight instead of 16, which is
+what decode (bandwidth-bound on expert weights) needs. The unpack is exact (power-of-two scales, E2M1 values are
+bf16-representable). Reference beside this file: `reference.moe_experts` / `moe_experts_mxfp4`.
+
+Inference only (no backward): training uses transformers' `grouped_mm` on the dequantised bf16 experts.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["moe_experts_triton"]
+
+# Triton's CPU interpreter computes bf16 `tl.dot` wrongly (numpy has no bf16), so under TRITON_INTERPRET the
+# products run in fp32 on the same bf16-rounded values; compiled kernels use bf16 tensor cores.
+_DOT_F32 = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _mm_in(t, DOT_F32: tl.constexpr):
+    if DOT_F32:
+        return t.to(tl.bfloat16).to(tl.float32)
+    return t.to(tl.bfloat16)
+
+
+@triton.jit
+def _e2m1(code):
+    # E2M1: sign bit 3, exponent bits 2..1, mantissa bit 0; exponent 0 is subnormal (0 or 0.5).
+    c = code & 7
+    e = (c >> 1).to(tl.float32)
+    m = (c & 1).to(tl.float32)
+    mag = tl.where(c < 2, 0.5 * m, tl.exp2(e - 1.0) * (1.0 + 0.5 * m))
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _load_w(W, S, e, n, k0, N_ROWS, K, FP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Weight tile `[BLOCK_N, BLOCK_K]` of expert e, rows n, inputs k0.., as bf16 (dequantised if FP4)."""
+    nmask = n < N_ROWS
+    if FP4:
+        kk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(
+            W + e * N_ROWS * (K // 2) + n[:, None] * (K // 2) + kk[None, :],
+            mask=nmask[:, None] & (kk[None, :] < K // 2), other=0,
+        ).to(tl.int32)
+        w = tl.interleave(_e2m1(packed & 15), _e2m1(packed >> 4))  # even input in the low nibble
+        ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        sbyte = tl.load(
+            S + e * N_ROWS * (K // 32) + n[:, None] * (K // 32) + ks[None, :],
+            mask=nmask[:, None] & (ks[None, :] < K // 32), other=127,
+        )
+        scale = tl.exp2(sbyte.to(tl.float32) - 127.0)  # E8M0
+        w = tl.reshape(w, [BLOCK_N, BLOCK_K // 32, 32]) * scale[:, :, None]
+        return tl.reshape(w, [BLOCK_N, BLOCK_K]).to(tl.bfloat16)
+    kw = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(
+        W + e * N_ROWS * K + n[:, None] * K + kw[None, :], mask=nmask[:, None] & (kw[None, :] < K), other=0.0
+    )
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0  # saturates cleanly to +-1 for large |x|
+
+
+@triton.jit
+def _gate_up_situ(
+    X, W, S, H, SORTED, BLOCK_EXPERT, num_assign, top_k, D, I, beta, linear_beta,
+    FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    assign = tl.load(SORTED + rows)
+    valid = assign < num_assign
+    token = (assign // top_k).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        kx = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + token[:, None] * D + kx[None, :], mask=valid[:, None] & (kx[None, :] < D), other=0.0)
+        x = _mm_in(x, DOT_F32)
+        wg = _load_w(W, S, e, n, k0, 2 * I, D, FP4, BLOCK_N, BLOCK_K)  # gate rows [0, I)
+        wu = _load_w(W, S, e, n + I, k0, 2 * I, D, FP4, BLOCK_N, BLOCK_K)  # up rows [I, 2I)
+        acc_g = tl.dot(x, tl.trans(_mm_in(wg, DOT_F32)), acc_g)
+        acc_u = tl.dot(x, tl.trans(_mm_in(wu, DOT_F32)), acc_u)
+    h = beta * _tanh(acc_g / beta) * tl.sigmoid(acc_g) * (linear_beta * _tanh(acc_u / linear_beta))
+    rows64 = rows.to(tl.int64)
+    tl.store(H + rows64[:, None] * I + n[None, :], h.to(H.dtype.element_ty), mask=n[None, :] < I)
+
+
+@triton.jit
+def _down(
+    Hs, W, S, OUT, SORTED, BLOCK_EXPERT, TOPW, num_assign, top_k, D, I,
+    FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    assign = tl.load(SORTED + rows)
+    valid = assign < num_assign
+    token = (assign // top_k).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output (latent) channels
+    rows64 = rows.to(tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        kh = k0 + tl.arange(0, BLOCK_K)
+        h = _mm_in(tl.load(Hs + rows64[:, None] * I + kh[None, :], mask=kh[None, :] < I, other=0.0), DOT_F32)
+        w = _load_w(W, S, e, n, k0, D, I, FP4, BLOCK_N, BLOCK_K)
+        acc = tl.dot(h, tl.trans(_mm_in(w, DOT_F32)), acc)
+    wt = tl.load(TOPW + assign, mask=valid, other=0.0).to(tl.float32)
+    tl.atomic_add(OUT + token[:, None] * D + n[None, :], acc * wt[:, None], mask=valid[:, None] & (n[None, :] < D))
+
+
+def _align(top_idx: torch.Tensor, num_experts: int, block_m: int):
+    """Assignments sorted by expert, each expert's run padded to block_m; pad entries hold `num_assign`."""
+    flat = top_idx.reshape(-1)
+    A = flat.numel()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    start = torch.cumsum(counts, 0) - counts
+    pstart = torch.cumsum(padded, 0) - padded
+    e_sorted = flat[order]
+    rank = torch.arange(A, device=flat.device) - start[e_sorted]
+    total = int(padded.sum())  # one host sync: the grid size
+    sorted_ids = torch.full((total,), A, dtype=torch.int32, device=flat.device)
+    sorted_ids[pstart[e_sorted] + rank] = order.to(torch.int32)
+    block_expert = torch.repeat_interleave(
+        torch.arange(num_experts, device=flat.device, dtype=torch.int32), padded // block_m
+    )
+    return sorted_ids, block_expert, total
+
+
+def moe_experts_triton(
+    x, top_idx, top_w, *, gate_up=None, down=None, w13_packed=None, w13_scale=None, w2_packed=None, w2_scale=None,
+    beta: float = 4.0, linear_beta: float = 25.0, block_m: int | None = None,
+):
+    """x `[N, D]` -> `[N, D]`. Give bf16/fp16 `gate_up [E, 2I, D]` + `down [E, D, I]`, or the MXFP4 quartet."""
+    fp4 = w13_packed is not None
+    if fp4 == (gate_up is not None):
+        raise ValueError("pass either gate_up/down (dense) or w13_packed/w13_scale/w2_packed/w2_scale (MXFP4)")
+    if fp4:
+        E, two_i, D = w13_packed.shape[0], w13_packed.shape[1], 2 * w13_packed.shape[2]
+        W1, S1, W2, S2 = w13_packed, w13_scale, w2_packed, w2_scale
+        for name, t in (("w13_packed", W1), ("w13_scale", S1), ("w2_packed", W2), ("w2_scale", S2)):
+            if t.dtype != torch.uint8:
+                raise ValueError(f"{name} must be uint8, got {t.dtype}")
+        if D % 32:
+            raise ValueError(f"MXFP4 experts need the latent width divisible by 32, got {D}")
+    else:
+        E, two_i, D = gate_up.shape
+        W1, S1, W2, S2 = gate_up.contiguous(), gate_up, down.contiguous(), down  # S* unused for dense
+    I = two_i // 2
+    if x.dim() != 2 or x.shape[1] != D:
+        raise ValueError(f"hidden_states must be [N, {D}], got {tuple(x.shape)}")
+    if top_idx.shape != top_w.shape or top_idx.shape[0] != x.shape[0]:
+        raise ValueError(f"top_k_index {tuple(top_idx.shape)} / top_k_weights {tuple(top_w.shape)} must be [N, k]")
+    N, k = top_idx.shape
+    out = torch.zeros((N, D), device=x.device, dtype=torch.float32)
+    if N == 0:
+        return out.to(x.dtype)
+    if block_m is None:
+        # Decode: a handful of tokens per expert, so small row tiles; prefill: bigger tiles reuse the weights.
+        block_m = 16 if N * k <= 4 * E else 64
+    sorted_ids, block_expert, total = _align(top_idx, E, block_m)
+    hbuf = torch.empty((total, I), device=x.device, dtype=torch.bfloat16)
+    bn1, bk1 = min(64, triton.next_power_of_2(I)), 64
+    bn2, bk2 = min(64, triton.next_power_of_2(D)), 64
+    x = x.contiguous()
+    _gate_up_situ[(total // block_m, triton.cdiv(I, bn1))](
+        x, W1, S1, hbuf, sorted_ids, block_expert, N * k, k, D, I, beta, linear_beta,
+        FP4=fp4, BLOCK_M=block_m, BLOCK_N=bn1, BLOCK_K=bk1, DOT_F32=_DOT_F32,
+    )
+    _down[(total // block_m, triton.cdiv(D, bn2))](
+        hbuf, W2, S2, out, sorted_ids, block_expert, top_w.reshape(-1).float().contiguous(), N * k, k, D, I,
+        FP4=fp4, BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=bk2, DOT_F32=_DOT_F32,
+    )
+    return out.to(x.dtype)
