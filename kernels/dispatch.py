@@ -1,9 +1,10 @@
 """Backend choice for the K3 ops, in one place.
 
 `auto` picks the fastest available path for the tensors' device and falls back to the torch reference with
-one warning; an explicitly requested backend that is unavailable raises with an install hint. Only the torch
-reference exists in this release of the package: the Triton kernels come with their own issue, and fla is
-used only where it is installed and asked for.
+one warning; an explicitly requested backend that is unavailable raises with an install hint. KDA: "triton"
+(and "auto" on CUDA with Triton installed) runs decode on the Triton recurrent kernel and prefill on the
+Triton chunk kernel where that module exists (else the torch chunk reference, with one warning); Triton
+modules are imported only here, lazily. fla is used only where it is installed and asked for.
 """
 
 from __future__ import annotations
@@ -24,15 +25,40 @@ def _warn_once(key: str, message: str) -> None:
         logger.warning(message)
 
 
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton_kda_ops():
+    """The Triton recurrent kernel, and the Triton chunk kernel when that module is present."""
+    from .kda.triton_recurrent import fused_recurrent_kda
+
+    # The chunk kernel ships separately: only its absence falls back; a broken module still raises.
+    if importlib.util.find_spec(f"{__package__}.kda.triton_chunk") is None:
+        _warn_once(
+            "kda-triton-chunk",
+            "transformers-k3: no Triton chunk KDA kernel in this build; prefill uses the torch reference "
+            "(decode uses the Triton recurrent kernel).",
+        )
+        return kda_reference.chunk_kda, fused_recurrent_kda
+    from .kda.triton_chunk import chunk_kda
+
+    return chunk_kda, fused_recurrent_kda
+
+
 def kda_ops(backend: str, device_type: str):
     """Return `(chunk_kda, fused_recurrent_kda)` for `backend` in {"auto", "torch", "triton", "fla"}."""
     if backend == "torch":
         return kda_reference.chunk_kda, kda_reference.fused_recurrent_kda
     if backend == "triton":
-        raise RuntimeError(
-            "kda_backend='triton' was requested but this build of transformers-k3 has no Triton KDA kernels yet; "
-            "use kda_backend='torch' (or 'fla' with `pip install fla-core`)."
-        )
+        if device_type != "cuda":
+            raise RuntimeError(
+                f"kda_backend='triton' needs CUDA tensors (got device type {device_type!r}); "
+                "use kda_backend='torch' or 'auto' on this device."
+            )
+        if not _triton_available():
+            raise RuntimeError("kda_backend='triton' needs Triton: `pip install triton` (or use kda_backend='torch').")
+        return _triton_kda_ops()
     if backend == "fla":
         if importlib.util.find_spec("fla") is None or device_type != "cuda":
             raise RuntimeError("kda_backend='fla' needs CUDA tensors and `pip install fla-core`.")
@@ -42,7 +68,9 @@ def kda_ops(backend: str, device_type: str):
     if backend != "auto":
         raise ValueError(f"kda_backend must be one of auto, torch, triton, fla; got {backend!r}")
     if device_type == "cuda":
-        _warn_once("kda-auto", "transformers-k3: no Triton KDA kernels in this build; using the torch reference.")
+        if _triton_available():
+            return _triton_kda_ops()
+        _warn_once("kda-auto", "transformers-k3: Triton is not installed; KDA uses the torch reference on CUDA.")
     return kda_reference.chunk_kda, kda_reference.fused_recurrent_kda
 
 
