@@ -1,3 +1,3 @@
-from .reference import mla_absorbed_attention
+from .reference import mla_absorbed_attention, mla_paged_decode_reference
 
-__all__ = ["mla_absorbed_attention"]
+__all__ = ["mla_absorbed_attention", "mla_paged_decode_reference"]

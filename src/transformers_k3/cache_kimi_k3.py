@@ -131,8 +131,9 @@ class KimiK3Cache(Cache):
         self.pools[layer_idx] = pool
         return pool
 
-    def update_latent(self, layer_idx: int, latent: torch.Tensor) -> torch.Tensor:
-        """Append `latent [B, T, latent_dim]` for `layer_idx`; return all of that layer's latent `[B, L, latent_dim]`."""
+    def append_latent(self, layer_idx: int, latent: torch.Tensor) -> None:
+        """Write `latent [B, T, latent_dim]` into `layer_idx`'s pages. Kernels that read the pages through the block
+        table (the `k3_mla_paged` attention) need nothing more; `update_latent` also gathers the whole latent."""
         batch, t, dim = latent.shape
         if dim != self.latent_dim:
             raise ValueError(f"latent must have {self.latent_dim} channels, got {dim}")
@@ -144,9 +145,14 @@ class KimiK3Cache(Cache):
         pages = self.block_table[:, pos // self.page_size]  # [B, T]
         pool[pages, pos % self.page_size] = latent.to(pool.dtype)
         self.lengths[layer_idx] = end
+
+    def update_latent(self, layer_idx: int, latent: torch.Tensor) -> torch.Tensor:
+        """Append `latent [B, T, latent_dim]` for `layer_idx`; return all of that layer's latent `[B, L, latent_dim]`."""
+        self.append_latent(layer_idx, latent)
+        end, batch = self.lengths[layer_idx], latent.shape[0]
         n_blocks = math.ceil(end / self.page_size)
-        gathered = pool[self.block_table[:, :n_blocks]]  # [B, n_blocks, page, latent_dim]
-        return gathered.reshape(batch, n_blocks * self.page_size, dim)[:, :end]
+        gathered = self.pools[layer_idx][self.block_table[:, :n_blocks]]  # [B, n_blocks, page, latent_dim]
+        return gathered.reshape(batch, n_blocks * self.page_size, self.latent_dim)[:, :end]
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         raise NotImplementedError(
