@@ -1,0 +1,260 @@
+"""Triton chunked KDA forward (bounded gate, 16-token tiles) against the torch reference and fla's naive recurrent.
+
+Runs on the CPU under `TRITON_INTERPRET=1` (set below before triton is imported) and compiled on CUDA.
+Tolerance rule (rel_err = max|a - b| / max|b|): fp32 inputs <= 1e-4 against the fp32 reference; bf16 inputs
+<= 2e-2 against the fp32 reference evaluated on the same bf16 values; fp32 gradients <= 1e-4.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from helpers import rel_err
+from k3_kernels.kda import reference as R
+
+triton = pytest.importorskip("triton")
+from k3_kernels.kda.triton_chunk import chunk_kda, chunk_kda_fwd  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TS = [1, 15, 16, 17, 63, 64, 65, 100]
+
+
+def make_inputs(B=2, T=16, H=2, K=16, V=16, dtype=torch.float32, seed=0, with_h0=False, N=None):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = R.l2norm(torch.randn(B, T, H, K, generator=gen))
+    v = torch.randn(B, T, H, V, generator=gen)
+    z = torch.randn(B, T, H, K, generator=gen) * 2.0
+    A_log = torch.randn(H + 3, generator=gen) * 0.5  # padded: only first H used
+    dt_bias = torch.randn(H * K, generator=gen) * 0.5
+    beta_raw = torch.randn(B, T, H, generator=gen)
+    h0 = torch.randn(N or B, H, K, V, generator=gen) * 0.5 if with_h0 else None
+    d = dict(q=q, k=k, v=v, z=z, A_log=A_log, dt_bias=dt_bias, beta_raw=beta_raw, h0=h0)
+    d = {n: (None if t is None else t.to(DEVICE)) for n, t in d.items()}
+    for n in ("q", "k", "v"):
+        d[n] = d[n].to(dtype)
+    d["g"] = R.kda_gate(d["z"], d["A_log"], d["dt_bias"])  # fp32, in [-5, 0]
+    d["beta"] = torch.sigmoid(d["beta_raw"]).to(dtype)
+    return d
+
+
+@pytest.mark.parametrize("T", TS)
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_forward_vs_reference_and_fla_naive(T, with_h0):
+    x = make_inputs(T=T, with_h0=with_h0, seed=T)
+    o, S = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True)
+    o_r, S_r = R.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True)
+    assert o.shape == (2, T, 2, 16) and o.dtype == torch.float32
+    assert S.shape == (2, 2, 16, 16) and S.dtype == torch.float32
+    assert rel_err(o, o_r) <= 1e-4 and rel_err(S, S_r) <= 1e-4
+    naive = pytest.importorskip("fla.ops.kda.naive")
+    o_n, S_n = naive.naive_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
+                                         output_final_state=True)
+    assert rel_err(o, o_n) <= 1e-4 and rel_err(S, S_n) <= 1e-4
+
+
+@pytest.mark.parametrize("K,V", [(32, 16), (16, 64)])
+def test_forward_other_head_dims(K, V):
+    x = make_inputs(T=40, K=K, V=V, with_h0=True, seed=3)
+    # block_v=16 with V=64 exercises several V-blocks per head
+    o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True,
+                         block_v=16)
+    o_r, S_r = R.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True)
+    assert S.shape == (2, 2, K, V)
+    assert rel_err(o, o_r) <= 1e-4 and rel_err(S, S_r) <= 1e-4
+
+
+def test_extreme_gate_bound():
+    """Every step at the -5 bound: the 16-token tile spans exactly -80, the worst case for exp(+-G)."""
+    x = make_inputs(T=50, with_h0=True, seed=4)
+    g = torch.full_like(x["g"], -5.0)
+    g[..., 0] = 0.0  # mix with no-decay channels
+    o, S = chunk_kda(x["q"], x["k"], x["v"], g, x["beta"], initial_state=x["h0"], output_final_state=True)
+    o_r, S_r = R.fused_recurrent_kda(x["q"], x["k"], x["v"], g, x["beta"], initial_state=x["h0"],
+                                     output_final_state=True)
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
+    assert rel_err(o, o_r) <= 1e-4 and rel_err(S, S_r) <= 1e-4
+
+
+def test_correlated_keys_beta_one():
+    """Repeated keys, beta -> 1, no decay: the UT system is as ill-conditioned as the delta rule gets."""
+    x = make_inputs(T=48, with_h0=True, seed=5)
+    k = x["k"][:, :1].expand_as(x["k"]).contiguous() + 0.01 * x["k"]
+    k = R.l2norm(k)
+    beta = torch.ones_like(x["beta"]) * 0.999
+    g = torch.zeros_like(x["g"])
+    o, S = chunk_kda(x["q"], k, x["v"], g, beta, initial_state=x["h0"], output_final_state=True)
+    o_r, S_r = R.fused_recurrent_kda(x["q"], k, x["v"], g, beta, initial_state=x["h0"], output_final_state=True)
+    assert rel_err(o, o_r) <= 1e-4 and rel_err(S, S_r) <= 1e-4
+
+
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_varlen(with_h0):
+    cu = [0, 1, 17, 17, 80, 100]  # boundaries off chunk multiples, one empty sequence
+    N = len(cu) - 1
+    x = make_inputs(B=1, T=100, with_h0=with_h0, N=N, seed=11)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+    o, S = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True,
+                     cu_seqlens=cu_t)
+    assert o.shape == (1, 100, 2, 16) and S.shape == (N, 2, 16, 16)
+    for i in range(N):
+        a, b = cu[i], cu[i + 1]
+        h = x["h0"][i : i + 1] if with_h0 else None
+        o_i, S_i = R.fused_recurrent_kda(x["q"][:, a:b], x["k"][:, a:b], x["v"][:, a:b], x["g"][:, a:b],
+                                         x["beta"][:, a:b], initial_state=h, output_final_state=True)
+        if b > a:
+            assert rel_err(o[:, a:b], o_i) <= 1e-4
+        if with_h0 or b > a:
+            assert rel_err(S[i : i + 1], S_i) <= 1e-4
+        else:
+            assert (S[i] == 0).all()
+
+
+@pytest.mark.parametrize("T", [17, 65])
+def test_bf16_inputs(T):
+    x = make_inputs(T=T, with_h0=True, dtype=torch.bfloat16, seed=21)
+    o, S = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True)
+    assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
+    f = {n: x[n].float() for n in ("q", "k", "v", "g", "beta")}
+    o_r, S_r = R.chunk_kda(f["q"], f["k"], f["v"], f["g"], f["beta"], initial_state=x["h0"], output_final_state=True)
+    assert rel_err(o, o_r) <= 2e-2 and rel_err(S, S_r) <= 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_kernel_gate_beta_l2norm(dtype):
+    x = make_inputs(T=45, with_h0=True, dtype=dtype, seed=31)
+    q, k = x["q"] * 2.5, (x["k"].float() * 4.0 + 0.3).to(dtype)
+    o1, S1 = chunk_kda(q, k, x["v"], x["z"], x["beta_raw"], initial_state=x["h0"], output_final_state=True,
+                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=x["A_log"],
+                       dt_bias=x["dt_bias"], lower_bound=-5.0, use_beta_sigmoid_in_kernel=True)
+    o2, S2 = chunk_kda(R.l2norm(q).to(dtype), R.l2norm(k).to(dtype), x["v"], x["g"],
+                       torch.sigmoid(x["beta_raw"]), initial_state=x["h0"], output_final_state=True)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert rel_err(o1, o2) <= tol and rel_err(S1, S2) <= tol
+    o_r, S_r = R.chunk_kda(q.float(), k.float(), x["v"].float(), x["g"], torch.sigmoid(x["beta_raw"]),
+                           initial_state=x["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert rel_err(o1, o_r) <= tol and rel_err(S1, S_r) <= tol
+
+
+def test_nan_poisoned_output_fully_overwritten():
+    cu = torch.tensor([0, 5, 21, 70], dtype=torch.int32, device=DEVICE)
+    x = make_inputs(B=1, T=70, V=32, seed=41)
+    out = torch.full((1, 70, 2, 32), float("nan"), device=DEVICE)
+    o, _ = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu, out=out, block_v=16)
+    assert o is out and torch.isfinite(out).all()
+    o_r, _ = R.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu)
+    assert rel_err(out, o_r) <= 1e-4
+
+
+def test_custom_scale_and_no_final_state():
+    x = make_inputs(T=20, seed=9)
+    o, S = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=0.37)
+    assert S is None
+    assert rel_err(o, R.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=0.37)[0]) <= 1e-4
+
+
+def _grads(fn, tensors, o_w, s_w):
+    o, S = fn(*tensors)
+    loss = (o.float() * o_w).sum() + (S * s_w).sum()
+    return torch.autograd.grad(loss, tensors)
+
+
+def test_gradients_precomputed_gate():
+    x = make_inputs(T=33, with_h0=True, seed=51)
+    names = ("q", "k", "v", "g", "beta", "h0")
+    ts = [x[n].clone().requires_grad_() for n in names]
+    gen = torch.Generator().manual_seed(0)
+    o_w = torch.randn(2, 33, 2, 16, generator=gen).to(DEVICE)
+    s_w = torch.randn(2, 2, 16, 16, generator=gen).to(DEVICE)
+
+    def ours(q, k, v, g, beta, h0):
+        return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+
+    def ref(q, k, v, g, beta, h0):
+        return R.fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+
+    for n, a, b in zip(names, _grads(ours, ts, o_w, s_w), _grads(ref, ts, o_w, s_w)):
+        assert a is not None and rel_err(a, b) <= 1e-4, n
+
+
+def test_gradients_in_kernel_gate_varlen():
+    cu = torch.tensor([0, 7, 30], dtype=torch.int32, device=DEVICE)
+    x = make_inputs(B=1, T=30, with_h0=True, N=2, seed=61)
+    names = ("q", "k", "v", "z", "beta_raw", "A_log", "dt_bias", "h0")
+    ts = [x[n].clone().requires_grad_() for n in names]
+    gen = torch.Generator().manual_seed(1)
+    o_w = torch.randn(1, 30, 2, 16, generator=gen).to(DEVICE)
+    s_w = torch.randn(2, 2, 16, 16, generator=gen).to(DEVICE)
+
+    def ours(q, k, v, z, b, A_log, dt_bias, h0):
+        return chunk_kda(q, k, v, z, b, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                         use_beta_sigmoid_in_kernel=True)
+
+    def ref(q, k, v, z, b, A_log, dt_bias, h0):
+        g = R.kda_gate(z, A_log, dt_bias)
+        return R.fused_recurrent_kda(q, k, v, g, torch.sigmoid(b), initial_state=h0, output_final_state=True,
+                                     cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+
+    o1, S1 = ours(*ts)
+    o2, S2 = ref(*ts)
+    assert rel_err(o1, o2) <= 1e-4 and rel_err(S1, S2) <= 1e-4
+    for n, a, b in zip(names, _grads(ours, ts, o_w, s_w), _grads(ref, ts, o_w, s_w)):
+        assert a is not None and rel_err(a, b) <= 1e-4, n
+
+
+def test_bad_inputs_raise():
+    x = make_inputs(T=10, seed=71)
+    with pytest.raises(ValueError, match="g must satisfy"):
+        chunk_kda(x["q"], x["k"], x["v"], x["g"] * 3.0, x["beta"])
+    with pytest.raises(ValueError, match="A_log"):
+        chunk_kda(x["q"], x["k"], x["v"], x["z"], x["beta"], use_gate_in_kernel=True)
+    with pytest.raises(ValueError, match="lower_bound"):
+        chunk_kda(x["q"], x["k"], x["v"], x["z"], x["beta"], use_gate_in_kernel=True, A_log=x["A_log"],
+                  dt_bias=x["dt_bias"], lower_bound=-8.0)
+    with pytest.raises(ValueError, match="beta"):
+        chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"][..., :1])
+    y = make_inputs(T=10, K=24, seed=72)
+    with pytest.raises(ValueError, match="powers of two"):
+        chunk_kda(y["q"], y["k"], y["v"], y["g"], y["beta"])
+
+
+@pytest.mark.parametrize("T", [1, 17, 64, 100])
+def test_split_path_vs_reference(T):
+    """split=True: w, u0 from the parallel prep kernel, state loop separate."""
+    x = make_inputs(T=T, V=32, with_h0=True, seed=80 + T)
+    o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["z"], x["beta_raw"], initial_state=x["h0"],
+                         output_final_state=True, use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
+                         use_beta_sigmoid_in_kernel=True, split=True, block_v=16)
+    o_r, S_r = R.chunk_kda(x["q"], x["k"], x["v"], x["g"], torch.sigmoid(x["beta_raw"]), initial_state=x["h0"],
+                           output_final_state=True)
+    assert rel_err(o, o_r) <= 1e-4 and rel_err(S, S_r) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_path_varlen_l2norm(dtype):
+    cu = [0, 1, 17, 17, 80, 100]
+    N = len(cu) - 1
+    x = make_inputs(B=1, T=100, with_h0=True, N=N, dtype=dtype, seed=90)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+    out = torch.full((1, 100, 2, 16), float("nan"), dtype=dtype, device=DEVICE)
+    o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True,
+                         cu_seqlens=cu_t, use_qk_l2norm_in_kernel=True, split=True, out=out)
+    assert torch.isfinite(out).all()
+    f = {n: x[n].float() for n in ("q", "k", "v", "g", "beta")}
+    o_r, S_r = R.chunk_kda(f["q"], f["k"], f["v"], f["g"], f["beta"], initial_state=x["h0"], output_final_state=True,
+                           cu_seqlens=cu_t, use_qk_l2norm_in_kernel=True)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert rel_err(o, o_r) <= tol and rel_err(S, S_r) <= tol
+
+
+def test_empty_sequence_passes_state_through():
+    x = make_inputs(T=1, with_h0=True, seed=95)
+    e = {n: x[n][:, :0] for n in ("q", "k", "v", "g", "beta")}
+    o, S = chunk_kda(e["q"], e["k"], e["v"], e["g"], e["beta"], initial_state=x["h0"], output_final_state=True)
+    assert o.shape == (2, 0, 2, 16) and torch.equal(S, x["h0"])
+    _, S0 = chunk_kda(e["q"], e["k"], e["v"], e["g"], e["beta"], output_final_state=True)
+    assert (S0 == 0).all()
