@@ -76,3 +76,17 @@ def kda_ops(backend: str, device_type: str):
 
 def causal_conv1d(*args, **kwargs):
     return conv_reference.causal_conv1d(*args, **kwargs)
+
+
+def attn_res(candidates, query_weight, norm_weight, eps):
+    """AttnRes mix: the fused Triton kernel on CUDA when Triton is installed, else the torch reference (which is
+    also the CPU path). Same inputs and outputs either way: a list of `[..., d]` candidates -> `[..., d]`."""
+    from .attnres import reference as attnres_reference
+
+    if candidates[0].device.type == "cuda":
+        if _triton_available():
+            from .attnres.triton_attnres import attn_res_triton
+
+            return attn_res_triton(candidates, query_weight, norm_weight, eps)
+        _warn_once("attnres-auto", "transformers-k3: Triton is not installed; AttnRes uses the torch reference on CUDA.")
+    return attnres_reference.attn_res(candidates, query_weight, norm_weight, eps)

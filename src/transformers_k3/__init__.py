@@ -4,7 +4,7 @@ Importing the package registers the K3 config and model classes with the transfo
 released checkpoint's weight conversions (MXFP4 routed experts). It needs no GPU and no Triton.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from .configuration_kimi_k3 import KimiK3Config, KimiK3ConfigError, KimiK3TextConfig, KimiK3VisionConfig
 from .cache_kimi_k3 import KimiK3Cache
@@ -15,6 +15,8 @@ from .modeling_kimi_k3 import (
     KimiK3PreTrainedModel,
 )
 from .conversion import register_conversions
+from .image_processing_kimi_k3 import KimiK3ImageProcessor
+from .processing_kimi_k3 import KimiK3Processor
 
 AutoConfig.register(KimiK3Config.model_type, KimiK3Config)
 AutoConfig.register(KimiK3TextConfig.model_type, KimiK3TextConfig)
@@ -23,10 +25,20 @@ AutoModel.register(KimiK3Config, KimiK3ForConditionalGeneration)
 AutoModelForCausalLM.register(KimiK3TextConfig, KimiK3ForCausalLM)
 # As the release's own auto_map: a causal LM from the released directory is the whole container.
 AutoModelForCausalLM.register(KimiK3Config, KimiK3ForConditionalGeneration)
+AutoModelForImageTextToText.register(KimiK3Config, KimiK3ForConditionalGeneration)
 register_conversions()
+# Processors: no remote code, so register them at import like the config and models.
+from transformers import AutoImageProcessor, AutoProcessor  # noqa: E402
+
+try:
+    AutoImageProcessor.register(KimiK3Config, slow_image_processor_class=KimiK3ImageProcessor, exist_ok=True)
+    AutoProcessor.register(KimiK3Config, KimiK3Processor, exist_ok=True)
+except ImportError:  # some transformers versions refuse the registration without Pillow; the text model needs none
+    pass
 
 __version__ = "0.1.0"
 __all__ = [
     "KimiK3Config", "KimiK3TextConfig", "KimiK3VisionConfig", "KimiK3ConfigError", "KimiK3Cache",
     "KimiK3Model", "KimiK3ForCausalLM", "KimiK3ForConditionalGeneration", "KimiK3PreTrainedModel",
+    "KimiK3ImageProcessor", "KimiK3Processor",
 ]

@@ -19,7 +19,7 @@ FULL_ATTENTION = "full_attention"
 SUPPORTED_HIDDEN_ACTS = ("situ",)
 SUPPORTED_ROUTER_ACTS = ("sigmoid",)
 SUPPORTED_TOPK_METHODS = ("noaux_tc",)
-SUPPORTED_BALANCING = ("none",)  # "quantile" and "sign" arrive with the training issue
+SUPPORTED_BALANCING = ("none", "quantile", "sign")  # see transformers_k3.balancing
 KDA_BACKENDS = ("auto", "torch", "triton", "fla")
 
 _DEFAULT_LINEAR_ATTN = {
@@ -55,7 +55,11 @@ class KimiK3TextConfig(PretrainedConfig):
         latent_moe_use_norm (`bool`): RMSNorm on the mixed latent before the up-projection.
         mla_use_nope / mla_use_output_gate (`bool`): K3 uses NoPE MLA with an output gate; both must be true.
         mla_latent_norm_eps (`float`): eps of the MLA latent norms (1e-6 in the reference code; uncertain).
-        moe_balancing (`str`): router-bias update during training; only "none" until Quantile Balancing lands.
+        moe_balancing (`str`): router-bias update during training (`transformers_k3.balancing`): "none" (the
+            release), "quantile" (Quantile Balancing, SPEC 5) or "sign" (DeepSeek-V3 sign step). The update runs
+            in `MoEBalancingCallback` / `update_moe_balancing`; the bias is frozen at inference.
+        moe_balancing_bins (`int`, 256): histogram bins of the Quantile Balancing estimate.
+        moe_bias_update_speed (`float`, 1e-3): step size of the "sign" update.
         kda_backend (`str`): "auto" (Triton on CUDA when present, else torch), "torch", "triton" or "fla".
         mla_page_size (`int`): tokens per page of the paged latent cache.
     """
@@ -118,6 +122,8 @@ class KimiK3TextConfig(PretrainedConfig):
         use_grouped_topk: bool = True,
         num_nextn_predict_layers: int = 0,
         moe_balancing: str = "none",
+        moe_balancing_bins: int = 256,
+        moe_bias_update_speed: float = 1e-3,
         kda_backend: str = "auto",
         mla_page_size: int = 64,
         **kwargs,
@@ -171,6 +177,8 @@ class KimiK3TextConfig(PretrainedConfig):
         self.use_grouped_topk = use_grouped_topk
         self.num_nextn_predict_layers = num_nextn_predict_layers
         self.moe_balancing = moe_balancing
+        self.moe_balancing_bins = moe_balancing_bins
+        self.moe_bias_update_speed = moe_bias_update_speed
         self.kda_backend = kda_backend
         self.mla_page_size = mla_page_size
         # Standard transformers names: `layer_types` drives the cache and masks, `mlp_layer_types` the FFN kind.
@@ -281,6 +289,12 @@ class KimiK3TextConfig(PretrainedConfig):
             positive("q_lora_rank", self.q_lora_rank)
         if self.moe_balancing not in SUPPORTED_BALANCING:
             raise _field_error("moe_balancing", f"must be one of {SUPPORTED_BALANCING}, got {self.moe_balancing!r}")
+        positive("moe_balancing_bins", self.moe_balancing_bins)
+        speed = self.moe_bias_update_speed
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0 < speed < float("inf"):
+            raise _field_error("moe_bias_update_speed", f"must be a positive finite number, got {speed!r}")
+        if self.moe_balancing != "none" and self.num_experts_per_token >= self.num_experts:
+            raise _field_error("moe_balancing", "needs num_experts_per_token < num_experts (a (k+1)-th expert)")
         if self.kda_backend not in KDA_BACKENDS:
             raise _field_error("kda_backend", f"must be one of {KDA_BACKENDS}, got {self.kda_backend!r}")
         if self.first_k_dense_replace < 0:
@@ -302,10 +316,33 @@ class KimiK3TextConfig(PretrainedConfig):
 
 
 class KimiK3VisionConfig(PretrainedConfig):
-    """MoonViT-V2 settings, kept with the released field names (the tower itself comes with the vision issue)."""
+    r"""MoonViT-V2 settings (SPEC 6), kept with the released field names.
+
+    Fields the model reads: `patch_size`, `init_pos_emb_height` / `init_pos_emb_width` (the learnable position
+    table `[height, width, vt_hidden_size]`, resized to each image's patch grid with `pos_emb_interpolation_mode`),
+    `vt_hidden_size`, `vt_intermediate_size`, `vt_num_attention_heads`, `vt_num_hidden_layers`, `qkv_hidden_size`
+    (heads * head dim of `wqkv`), `mm_hidden_size` (tower width seen by the projector), `text_hidden_size`,
+    `merge_kernel_size` (the 2x2 patch merge), `projector_ln_eps` (the projector's `post_norm`),
+    `activation_func` (tower MLP), `projector_hidden_act`.
+
+    Not in the release, documented guesses:
+        vt_norm_eps (`float`, 1e-6): eps of the tower's RMSNorms (`norm0`, `norm1`, `final_layernorm`); the
+            release names no eps for them.
+        vt_rope_theta (`float`, 10000.0): base of the 2-D rotary inside the tower (MoonViT's reference value).
+
+    Released fields that only have one supported value (anything else raises, naming the field): `norm_type`
+    "rmsnorm", `attn_bias` / `linear_bias` / `patch_embed_proj_bias` false, `merge_type` "sd2_tpool",
+    `mm_projector_type` "patchmergerv2", `mlp_type` "mlp2", `pos_emb_type` "divided_fixed" (its fixed temporal
+    part, `init_pos_emb_time`, only matters for video, which is not supported: images have t = 1).
+    """
 
     model_type = "kimi_k3_vision"
     base_config_key = "vision_config"
+    _only_supported = {
+        "norm_type": "rmsnorm", "attn_bias": False, "linear_bias": False, "patch_embed_proj_bias": False,
+        "merge_type": "sd2_tpool", "mm_projector_type": "patchmergerv2", "mlp_type": "mlp2",
+        "pos_emb_type": "divided_fixed",
+    }
 
     def __init__(
         self,
@@ -324,6 +361,17 @@ class KimiK3VisionConfig(PretrainedConfig):
         projector_ln_eps: float = 1e-5,
         activation_func: str = "gelu_pytorch_tanh",
         projector_hidden_act: str = "gelu",
+        pos_emb_interpolation_mode: str = "bilinear",
+        norm_type: str = "rmsnorm",
+        attn_bias: bool = False,
+        linear_bias: bool = False,
+        patch_embed_proj_bias: bool = False,
+        merge_type: str = "sd2_tpool",
+        mm_projector_type: str = "patchmergerv2",
+        mlp_type: str = "mlp2",
+        pos_emb_type: str = "divided_fixed",
+        vt_norm_eps: float = 1e-6,
+        vt_rope_theta: float = 10000.0,
         **kwargs,
     ):
         self.patch_size = patch_size
@@ -341,10 +389,53 @@ class KimiK3VisionConfig(PretrainedConfig):
         self.projector_ln_eps = projector_ln_eps
         self.activation_func = activation_func
         self.projector_hidden_act = projector_hidden_act
+        self.pos_emb_interpolation_mode = pos_emb_interpolation_mode
+        self.norm_type = norm_type
+        self.attn_bias = attn_bias
+        self.linear_bias = linear_bias
+        self.patch_embed_proj_bias = patch_embed_proj_bias
+        self.merge_type = merge_type
+        self.mm_projector_type = mm_projector_type
+        self.mlp_type = mlp_type
+        self.pos_emb_type = pos_emb_type
+        self.vt_norm_eps = vt_norm_eps
+        self.vt_rope_theta = vt_rope_theta
         # The release asks for flash_attention_2 here; the language model's choice is independent.
         released_attn = kwargs.pop("_attn_implementation", None)
         super().__init__(**kwargs)
         self.released_attn_implementation = released_attn
+        self.validate_k3()
+
+    @property
+    def vt_head_dim(self) -> int:
+        return self.qkv_hidden_size // self.vt_num_attention_heads
+
+    def validate_k3(self) -> None:
+        for field, value in self._only_supported.items():
+            if getattr(self, field) != value:
+                raise _field_error(f"vision_config.{field}", f"only {value!r} is supported, got {getattr(self, field)!r}")
+        for field in ("patch_size", "init_pos_emb_height", "init_pos_emb_width", "vt_hidden_size",
+                      "vt_intermediate_size", "vt_num_attention_heads", "vt_num_hidden_layers", "qkv_hidden_size",
+                      "mm_hidden_size", "text_hidden_size"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise _field_error(f"vision_config.{field}", f"must be a positive integer, got {value!r}")
+        if self.qkv_hidden_size % self.vt_num_attention_heads or self.vt_head_dim % 4:
+            # The 2-D rotary turns head_dim / 4 pairs by the row and as many by the column.
+            raise _field_error(
+                "vision_config.qkv_hidden_size",
+                f"({self.qkv_hidden_size}) / vt_num_attention_heads ({self.vt_num_attention_heads}) must be a "
+                "whole head dim divisible by 4",
+            )
+        if self.mm_hidden_size != self.vt_hidden_size:
+            raise _field_error("vision_config.mm_hidden_size", "must equal vt_hidden_size (the projector reads the tower)")
+        if len(self.merge_kernel_size) != 2 or any(int(k) <= 0 for k in self.merge_kernel_size):
+            raise _field_error("vision_config.merge_kernel_size", f"must be two positive ints, got {self.merge_kernel_size}")
+        if self.pos_emb_interpolation_mode not in ("bilinear", "bicubic"):
+            raise _field_error(
+                "vision_config.pos_emb_interpolation_mode",
+                f"must be 'bilinear' or 'bicubic', got {self.pos_emb_interpolation_mode!r}",
+            )
 
 
 class KimiK3Config(PretrainedConfig):

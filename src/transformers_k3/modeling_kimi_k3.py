@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.integrations import use_experts_implementation
+from transformers.integrations.moe import ExpertsInterface
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from k3_kernels import dispatch
-from k3_kernels.attnres.reference import attn_res
 from k3_kernels.kda.reference import kda_gate
 from k3_kernels.mla.reference import mla_absorbed_attention
 from k3_kernels.situ.reference import situ_glu
@@ -148,9 +151,19 @@ class KimiK3DeltaAttention(nn.Module):
             beta = beta * pad_mask[..., None]
         chunk_kda, recurrent_kda = dispatch.kda_ops(self.config.kda_backend, x.device.type)
         kda = recurrent_kda if (recurrent is not None and T <= 4) else chunk_kda
+        extra = {}
+        if (
+            getattr(kda, "supports_inplace_state", False)
+            and recurrent is not None
+            and recurrent.dtype == torch.float32
+            and recurrent.is_contiguous()
+        ):
+            # Decode on the Triton kernel updates the cache's fp32 state in place (no second [B, H, K, V]
+            # buffer per step); `final` is then that same tensor and the cache stores it back unchanged.
+            extra["inplace_final_state"] = True
         o, final = kda(
             q, k, v, g, beta, initial_state=recurrent, output_final_state=want_state,
-            cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
+            cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True, **extra,
         )
         if cache is not None:
             cache.update_kda_state(self.layer_idx, tuple(new_conv), final)
@@ -173,6 +186,24 @@ def eager_attention_forward(module, query, key, value, attention_mask, dropout=0
     probs = F.dropout(probs, p=dropout, training=module.training)
     out = torch.matmul(probs.to(value.dtype), value)
     return out.transpose(1, 2).contiguous(), probs
+
+
+def k3_mla_paged_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """`attn_implementation="k3_mla_paged"` without a cache (prefill): SDPA over the expanded keys and values.
+
+    With a cache, `KimiK3Attention` runs the paged Triton kernel instead (`k3_kernels.mla.triton_decode`). An
+    explicit request on a device the kernel cannot serve raises rather than silently using another backend.
+    """
+    from k3_kernels.mla.triton_decode import check_paged_backend  # lazy: Triton is optional
+
+    check_paged_backend(query.device)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+# Registering the name makes transformers' attn_implementation validation accept it (`valid_keys()`); the mask
+# entry keeps transformers' own mask creation working for the name (the K3 model builds its masks itself).
+AttentionInterface.register("k3_mla_paged", k3_mla_paged_attention_forward)
+AttentionMaskInterface.register("k3_mla_paged", sdpa_mask)
 
 
 class KimiK3Attention(nn.Module):
@@ -220,7 +251,12 @@ class KimiK3Attention(nn.Module):
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)
         c = self.kv_a_layernorm(c)  # [B, T, r]; NoPE: k_pe is used as is, never rotated
-        if cache is not None:
+        if cache is not None and self.config._attn_implementation == "k3_mla_paged":
+            from k3_kernels.mla.triton_decode import mla_paged_attention  # lazy: Triton is optional
+
+            # The Triton kernel attends over the layer's pages through the block table (kv_b_proj absorbed).
+            out = mla_paged_attention(self, q_nope, q_pe, torch.cat([c, k_pe], dim=-1), cache, attention_mask)
+        elif cache is not None:
             # Decode and cached prefill attend over the latent directly (kv_b_proj absorbed).
             latent = cache.update_latent(self.layer_idx, torch.cat([c, k_pe], dim=-1))  # [B, L, r + dr]
             c_all, k_pe_all = latent.to(x.dtype).split([self.kv_rank, self.rope_dim], dim=-1)
@@ -248,7 +284,12 @@ class KimiK3Attention(nn.Module):
 
 
 class KimiK3TopkRouter(nn.Module):
-    """Sigmoid router: select on `s + e_score_correction_bias`, mix with the unbiased `s`, renormalised."""
+    """Sigmoid router: select on `s + e_score_correction_bias`, mix with the unbiased `s`, renormalised.
+
+    With `config.moe_balancing` set and the module in training mode, it also routes top-(k+1) so the (k+1)-th
+    biased score (the admission cutoff) reaches the balancer (`transformers_k3.balancing`); the bias itself only
+    moves in `update_moe_balancing`, after the optimizer step. Eval mode routes exactly as with "none".
+    """
 
     def __init__(self, config: KimiK3TextConfig):
         super().__init__()
@@ -256,11 +297,36 @@ class KimiK3TopkRouter(nn.Module):
         self.top_k = config.num_experts_per_token
         self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+        self._moe_balancer, self._moe_balancer_key = None, None
+
+    def moe_balancer(self):
+        """This layer's `RouterBalancer` for the config's method (None for "none"); rebuilt if the config changed."""
+        c = self.config
+        method = getattr(c, "moe_balancing", "none")
+        if method == "none":
+            return None
+        key = (method, c.num_experts, self.top_k, c.moe_balancing_bins, c.moe_bias_update_speed)
+        if self._moe_balancer is None or self._moe_balancer_key != key:
+            from .balancing import RouterBalancer  # lazy: balancing imports transformers' Trainer machinery
+
+            self._moe_balancer, self._moe_balancer_key = RouterBalancer(*key), key
+        return self._moe_balancer
 
     def forward(self, x: torch.Tensor):
         scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E] fp32
         biased = scores + self.e_score_correction_bias.float()
-        top_idx = biased.topk(self.top_k, dim=-1).indices  # [N, k]
+        balancer = self.moe_balancer() if self.training else None
+        if balancer is not None:
+            top_vals, top_idx_k1 = biased.topk(self.top_k + 1, dim=-1)  # [N, k + 1]
+            top_idx = top_idx_k1[:, : self.top_k]  # [N, k]
+            # A forward run by the autograd engine is a gradient-checkpointing recompute (reentrant or not) of
+            # a forward that was already counted: count each token once. The graph-task id is -1 outside
+            # backward (torch.utils.checkpoint reads the same id). Every token row counts, padding included.
+            if torch._C._current_graph_task_id() == -1:
+                balancer.observe(scores.detach(), top_vals[:, self.top_k].detach(), top_idx,
+                                 self.e_score_correction_bias)
+        else:
+            top_idx = biased.topk(self.top_k, dim=-1).indices  # [N, k]
         top_w = scores.gather(1, top_idx)
         if self.config.moe_renormalize:
             top_w = top_w / (top_w.sum(-1, keepdim=True) + 1e-20)
@@ -293,6 +359,27 @@ class KimiK3Experts(nn.Module):
             h = F.linear(self._apply_gate(h), self.down_proj[expert])
             out.index_add_(0, token, (h * top_k_weights[token, slot, None]).to(out.dtype))
         return out
+
+
+def _k3_triton_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """`experts_implementation="k3_triton"`: grouped Triton matmuls with SiTU-GLU fused, bf16 tensor cores.
+
+    Inference only (the kernel has no backward; train with "grouped_mm"). Needs CUDA (or TRITON_INTERPRET=1).
+    """
+    if self.training and torch.is_grad_enabled():
+        raise RuntimeError("experts_implementation='k3_triton' has no backward; train with 'grouped_mm' or 'eager'")
+    if hidden_states.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"experts_implementation='k3_triton' needs CUDA tensors, got {hidden_states.device}")
+    from k3_kernels.moe.triton_moe import moe_experts_triton  # lazy: triton is optional
+
+    out = moe_experts_triton(
+        hidden_states, top_k_index, top_k_weights, gate_up=self.gate_up_proj, down=self.down_proj,
+        beta=self.config.activation_situ_beta, linear_beta=self.config.activation_situ_linear_beta,
+    )
+    return out.to(hidden_states.dtype)
+
+
+ExpertsInterface.register("k3_triton", _k3_triton_experts_forward)
 
 
 class KimiK3LatentMoE(nn.Module):
@@ -350,7 +437,7 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         self.mlp_res_proj = nn.Linear(d, 1, bias=False)
 
     def _mix(self, norm, proj, blocks, partial):
-        return attn_res(blocks + [partial], proj.weight, norm.weight, norm.variance_epsilon)
+        return dispatch.attn_res(blocks + [partial], proj.weight, norm.weight, norm.variance_epsilon)
 
     def forward(self, partial, blocks, attention_mask=None, pad_mask=None, cache=None, cu_seqlens=None):
         """`partial` is the running sum P of the current block, `blocks` the completed block snapshots."""
@@ -597,8 +684,8 @@ class KimiK3Model(KimiK3PreTrainedModel):
                 partial, blocks = layer(partial, blocks, mla_mask, pad_mask, cache, None)
             if output_hidden_states:
                 hidden_states += (partial,)
-        h = attn_res(blocks + [partial], self.output_attn_res_proj.weight, self.output_attn_res_norm.weight,
-                     self.output_attn_res_norm.variance_epsilon)
+        h = dispatch.attn_res(blocks + [partial], self.output_attn_res_proj.weight, self.output_attn_res_norm.weight,
+                              self.output_attn_res_norm.variance_epsilon)
         h = self.norm(h)
         return BaseModelOutputWithPast(last_hidden_state=h, hidden_states=hidden_states, **{CACHE_KWARG: cache})
 
@@ -692,81 +779,334 @@ class KimiK3ForCausalLM(_KimiK3GenerationMixin, KimiK3PreTrainedModel, Generatio
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The released container: language model, vision tower, projector
+# The released container: language model, vision tower (MoonViT-V2, SPEC 6), projector
 # ----------------------------------------------------------------------------------------------------------
 
+from transformers.activations import ACT2FN  # noqa: E402  (used only by the vision tower and projector)
 
-class KimiK3VisionBlock(nn.Module):
+
+def vision_rope_angles(grid_thw: torch.Tensor, head_dim: int, theta: float, device=None) -> torch.Tensor:
+    """The 2-D rotary of the vision tower: one angle per rotated pair of head dims, `[total_patches, head_dim / 2]`.
+
+    The one place that fixes the frequency layout (MoonViT's, as in Kimi-VL's reference code): the head dim is cut
+    into `head_dim / 2` adjacent pairs `(2p, 2p + 1)`, each turned as one complex number. Pair `2j` turns by
+    `col * f_j`, pair `2j + 1` by `row * f_j`, with `f_j = theta ** (-4j / head_dim)` for `j < head_dim / 4`: half
+    the dims follow the row, half the column, with the same frequencies. `(row, col)` is the patch's place in its
+    own image's `(h, w)` grid (raster order, the order of `pixel_values`), so every image starts at (0, 0).
+    """
+    freqs = theta ** (-torch.arange(0, head_dim, 4, dtype=torch.float32, device=device) / head_dim)  # [D/4]
+    rows, cols = [], []
+    for t, h, w in grid_thw.tolist():
+        rows.append(torch.arange(h, device=device).repeat_interleave(w).repeat(t))  # [t*h*w]
+        cols.append(torch.arange(w, device=device).repeat(h * t))
+    row, col = torch.cat(rows).float(), torch.cat(cols).float()
+    angles = torch.stack([col[:, None] * freqs, row[:, None] * freqs], dim=-1)  # [N, D/4, 2]: (col, row)
+    return angles.flatten(1)  # [N, D/2]
+
+
+def apply_vision_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """x `[N, H, D]`, angles `[N, D/2]`: pair p of every head turned by `angles[:, p]`, in fp32."""
+    x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # each [N, H, D/2]
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]  # [N, 1, D/2]
+    return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2).to(x.dtype)
+
+
+def vision_eager_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Bidirectional attention, query/key/value `[B, H, L, D]` -> `[B, L, H, D]`; softmax in fp32."""
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scaling
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    probs = F.dropout(scores.softmax(-1), p=dropout, training=module.training)
+    return torch.matmul(probs.to(value.dtype), value).transpose(1, 2).contiguous(), probs
+
+
+def _check_vision_inputs(pixel_values: torch.Tensor, grid_thw: torch.Tensor, vc) -> torch.Tensor:
+    """Validate the flattened-patch layout (see `KimiK3VisionTower`) and return `grid_thw` as int64 on the CPU."""
+    p = vc.patch_size
+    if not torch.is_tensor(grid_thw) or grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
+        shape = list(grid_thw.shape) if torch.is_tensor(grid_thw) else type(grid_thw).__name__
+        raise ValueError(f"image_grid_thw must be a [num_images, 3] tensor of (t, h, w) patch counts, got {shape}")
+    grid = grid_thw.detach().to("cpu", torch.long)
+    if bool((grid <= 0).any()):
+        raise ValueError(f"image_grid_thw entries must be positive, got {grid.tolist()}")
+    if bool((grid[:, 0] != 1).any()):
+        raise ValueError(f"image_grid_thw: only still images (t = 1) are supported, got t = {grid[:, 0].tolist()}")
+    kh, kw = vc.merge_kernel_size
+    if bool((grid[:, 1] % kh != 0).any() or (grid[:, 2] % kw != 0).any()):
+        raise ValueError(
+            f"image_grid_thw: h and w must be multiples of merge_kernel_size {vc.merge_kernel_size} "
+            f"(the image processor pads to {p * kh} px), got {grid[:, 1:].tolist()}"
+        )
+    if pixel_values.dim() != 2 or pixel_values.shape[1] != 3 * p * p:
+        raise ValueError(
+            f"pixel_values must be flattened patches [total_patches, 3*{p}*{p}] = [N, {3 * p * p}], "
+            f"got {list(pixel_values.shape)}"
+        )
+    total = int(grid.prod(-1).sum())
+    if pixel_values.shape[0] != total:
+        raise ValueError(
+            f"pixel_values has {pixel_values.shape[0]} patches but image_grid_thw {grid.tolist()} describes {total}"
+        )
+    return grid
+
+
+class KimiK3VisionMLP(nn.Module):
     def __init__(self, vc):
         super().__init__()
-        self.norm0 = KimiK3RMSNorm(vc.vt_hidden_size)
-        self.norm1 = KimiK3RMSNorm(vc.vt_hidden_size)
+        self.fc0 = nn.Linear(vc.vt_hidden_size, vc.vt_intermediate_size, bias=False)
+        self.act = ACT2FN[vc.activation_func]
+        self.fc1 = nn.Linear(vc.vt_intermediate_size, vc.vt_hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc1(self.act(self.fc0(x)))
+
+
+class KimiK3VisionBlock(GradientCheckpointingLayer):
+    """Pre-norm ViT block: `x + wo(attn(norm0(x)))`, then `x + mlp(norm1(x))`. No biases anywhere."""
+
+    def __init__(self, vc):
+        super().__init__()
+        self.config = vc
+        self.num_heads, self.head_dim = vc.vt_num_attention_heads, vc.vt_head_dim
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = False  # read by transformers' attention functions
+        self.norm0 = KimiK3RMSNorm(vc.vt_hidden_size, eps=vc.vt_norm_eps)
+        self.norm1 = KimiK3RMSNorm(vc.vt_hidden_size, eps=vc.vt_norm_eps)
         self.wqkv = nn.Linear(vc.vt_hidden_size, 3 * vc.qkv_hidden_size, bias=False)
         self.wo = nn.Linear(vc.qkv_hidden_size, vc.vt_hidden_size, bias=False)
-        self.mlp = nn.Module()
-        self.mlp.fc0 = nn.Linear(vc.vt_hidden_size, vc.vt_intermediate_size, bias=False)
-        self.mlp.fc1 = nn.Linear(vc.vt_intermediate_size, vc.vt_hidden_size, bias=False)
+        self.mlp = KimiK3VisionMLP(vc)
+
+    def _attention(self, x, angles, cu_seqlens, bounds):
+        N, H, D = x.shape[0], self.num_heads, self.head_dim
+        # The fused projection is laid out (q | k | v), each (head, head_dim), as MoonViT's reference code.
+        q, k, v = self.wqkv(x).view(N, 3, H, D).unbind(1)  # each [N, H, D]
+        q, k = apply_vision_rope(q, angles), apply_vision_rope(k, angles)
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, H, N, D]
+        impl = self.config._attn_implementation or "sdpa"
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(impl, vision_eager_attention_forward)
+        if "flash" in impl:
+            max_seqlen = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+            # Varlen kernels take the images as one stream cut at cu_seqlens: no padding, no mask.
+            out, _ = attention(
+                self, q, k, v, None, dropout=0.0, scaling=self.scaling, is_causal=False,
+                cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen,
+            )
+        else:
+            # One call per image: the block-diagonal pattern without an N x N mask (which would also keep sdpa
+            # off its fused kernels).
+            out = torch.cat([
+                attention(self, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None, dropout=0.0, scaling=self.scaling,
+                          is_causal=False)[0]
+                for a, b in zip(bounds[:-1], bounds[1:])
+            ], dim=1)  # [1, N, H, D]
+        return self.wo(out.reshape(N, H * D))
+
+    def forward(self, x, angles, cu_seqlens, bounds):
+        """x `[N, hidden]`; cu_seqlens the image boundaries on x's device (int32), bounds the same as a list."""
+        x = x + self._attention(self.norm0(x), angles, cu_seqlens, bounds)
+        return x + self.mlp(self.norm1(x))
+
+
+class KimiK3VisionPosEmb(nn.Module):
+    """The learnable table `[init_pos_emb_height, init_pos_emb_width, hidden]`, resized to each image's grid."""
+
+    def __init__(self, vc):
+        super().__init__()
+        self.mode = vc.pos_emb_interpolation_mode
+        self.weight = nn.Parameter(torch.zeros(vc.init_pos_emb_height, vc.init_pos_emb_width, vc.vt_hidden_size))
+
+    def forward(self, x: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        """x `[total_patches, hidden]` in raster order per image; grid `[num_images, 3]` (t = 1)."""
+        table = self.weight.float().permute(2, 0, 1)[None]  # [1, hidden, H0, W0]
+        parts = []
+        for _, h, w in grid.tolist():
+            if (h, w) == tuple(self.weight.shape[:2]):
+                pos = table[0]
+            else:
+                # align_corners=False (torch's default, and MoonViT's): the table's cells are areas covering the
+                # grid, not points at its corners; the same call for growing and shrinking.
+                pos = F.interpolate(table, size=(h, w), mode=self.mode, align_corners=False)[0]
+            parts.append(pos.flatten(1).T)  # [h*w, hidden]
+        return x + torch.cat(parts).to(x.dtype)
 
 
 class KimiK3VisionTower(nn.Module):
-    """MoonViT-V2 under its released names. The weights load and save; running images is not implemented yet."""
+    """MoonViT-V2 under its released names: patch conv, position table, rotary ViT blocks, final norm, 2x2 merge.
+
+    Inputs (the layout of transformers' Qwen2-VL family, which `KimiK3ImageProcessor` writes):
+        pixel_values `[total_patches, 3 * patch_size**2]`: one row per 14x14 patch, flattened channels-first
+            `(3, 14, 14)`; an image's patches in raster order over its `(h, w)` patch grid; images one after the other.
+        grid_thw `[num_images, 3]`: `(t, h, w)` per image in patches; t = 1 (still images only), h and w multiples of
+            the merge kernel.
+    Returns `[sum(h * w / 4), 4 * hidden]`: per image, its 2x2 neighbourhoods in raster order over `(h/2, w/2)`,
+    each the concatenation of its four patches in the order (0, 0), (0, 1), (1, 0), (1, 1).
+    Images attend only within themselves (varlen over `cu_seqlens`), so a batch gives each image's result alone.
+    """
 
     def __init__(self, vc):
         super().__init__()
+        self.config = vc
         self.patch_embed = nn.Module()
         self.patch_embed.proj = nn.Conv2d(3, vc.vt_hidden_size, vc.patch_size, vc.patch_size, bias=False)
-        self.patch_embed.pos_emb = nn.Module()
-        self.patch_embed.pos_emb.weight = nn.Parameter(
-            torch.zeros(vc.init_pos_emb_height, vc.init_pos_emb_width, vc.vt_hidden_size)
-        )
+        self.patch_embed.pos_emb = KimiK3VisionPosEmb(vc)
         self.encoder = nn.Module()
         self.encoder.blocks = nn.ModuleList([KimiK3VisionBlock(vc) for _ in range(vc.vt_num_hidden_layers)])
-        self.encoder.final_layernorm = KimiK3RMSNorm(vc.vt_hidden_size)
+        self.encoder.final_layernorm = KimiK3RMSNorm(vc.vt_hidden_size, eps=vc.vt_norm_eps)
 
-    def forward(self, *args, **kwargs):
-        raise NotImplementedError("The K3 vision encoder forward is not implemented yet; only text inputs run.")
+    def patch_merge(self, x: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        kh, kw = self.config.merge_kernel_size
+        d = x.shape[-1]
+        out = []
+        for img, (_, h, w) in zip(x.split(grid.prod(-1).tolist()), grid.tolist()):
+            img = img.view(h // kh, kh, w // kw, kw, d).permute(0, 2, 1, 3, 4)  # [h/kh, w/kw, kh, kw, d]
+            out.append(img.reshape(h * w // (kh * kw), kh * kw * d))
+        return torch.cat(out)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        vc = self.config
+        grid = _check_vision_inputs(pixel_values, grid_thw, vc)
+        weight = self.patch_embed.proj.weight
+        patches = pixel_values.to(weight.dtype).view(-1, 3, vc.patch_size, vc.patch_size)  # [N, 3, p, p]
+        x = self.patch_embed.proj(patches).flatten(1)  # [N, hidden]
+        x = self.patch_embed.pos_emb(x, grid)
+        bounds = F.pad(grid.prod(-1).cumsum(0), (1, 0))  # [num_images + 1], on the CPU: no device syncs
+        cu_seqlens = bounds.to(device=x.device, dtype=torch.int32)
+        bounds = bounds.tolist()
+        angles = vision_rope_angles(grid, vc.vt_head_dim, vc.vt_rope_theta, device=x.device)
+        for block in self.encoder.blocks:
+            x = block(x, angles, cu_seqlens, bounds)
+        return self.patch_merge(self.encoder.final_layernorm(x), grid)
 
 
 class KimiK3Projector(nn.Module):
+    """Merged patches `[M, 4 * hidden]` -> text embeddings `[M, text_hidden]`: Linear, GELU, Linear, RMSNorm."""
+
     def __init__(self, vc):
         super().__init__()
         merged = vc.mm_hidden_size * vc.merge_kernel_size[0] * vc.merge_kernel_size[1]
-        self.proj = nn.Sequential(nn.Linear(merged, merged, bias=False), nn.GELU(),
+        self.proj = nn.Sequential(nn.Linear(merged, merged, bias=False), ACT2FN[vc.projector_hidden_act],
                                   nn.Linear(merged, vc.text_hidden_size, bias=False))
         self.post_norm = KimiK3RMSNorm(vc.text_hidden_size, eps=vc.projector_ln_eps)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post_norm(self.proj(x))
+
 
 class KimiK3ForConditionalGeneration(_KimiK3GenerationMixin, KimiK3PreTrainedModel, GenerationMixin):
+    """The released container. Images enter as `pixel_values` + `image_grid_thw` (see `KimiK3VisionTower`).
+
+    Placeholders follow the transformers convention: the processor repeats the media placeholder token
+    (`media_placeholder_token_id`) `h * w / 4` times per image, in image order, and the model scatters the projected
+    features over those positions before the language model runs. A count mismatch raises.
+    """
+
     config_class = KimiK3Config
     config: KimiK3Config
     _keys_to_ignore_on_load_unexpected = None
     _tied_weights_keys = {}
+    _no_split_modules = ["KimiK3DecoderLayer", "KimiK3VisionBlock"]
 
     def __init__(self, config: KimiK3Config):
         super().__init__(config)
+        if config.vision_config.text_hidden_size != config.text_config.hidden_size:
+            raise ValueError(
+                f"KimiK3 config field `vision_config.text_hidden_size` ({config.vision_config.text_hidden_size}) must "
+                f"equal text_config.hidden_size ({config.text_config.hidden_size})"
+            )
+        if config.vision_config._attn_implementation is None:
+            # The tower is no PreTrainedModel, so nothing else resolves its default; the release's own
+            # "flash_attention_2" is kept aside (`released_attn_implementation`), so it runs on any machine.
+            # Choose another with `set_attn_implementation({"vision_config": "eager"})`.
+            config.vision_config._attn_implementation_internal = "sdpa"
         self.language_model = KimiK3ForCausalLM(config.text_config)
         self.vision_tower = KimiK3VisionTower(config.vision_config)
         self.mm_projector = KimiK3Projector(config.vision_config)
         self.post_init()
 
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, KimiK3VisionPosEmb) and module.weight.device.type != "meta":
+            module.weight.normal_(0.0, 1.0)  # MoonViT's initialisation of the table
+
     def get_input_embeddings(self):
         return self.language_model.get_input_embeddings()
+
+    def set_input_embeddings(self, value):
+        self.language_model.set_input_embeddings(value)
 
     def get_output_embeddings(self):
         return self.language_model.get_output_embeddings()
 
-    def forward(self, input_ids=None, pixel_values=None, **kwargs):
-        if pixel_values is not None:
-            raise NotImplementedError("Image inputs are not supported yet by this build of transformers-k3.")
-        if input_ids is not None and bool((input_ids == self.config.media_placeholder_token_id).any()):
+    def get_image_features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per image, its projected features `[h * w / 4, text_hidden]`, in input order."""
+        features = self.mm_projector(self.vision_tower(pixel_values, grid_thw))
+        kh, kw = self.config.vision_config.merge_kernel_size
+        counts = (grid_thw.detach().to("cpu", torch.long).prod(-1) // (kh * kw)).tolist()
+        return features.split(counts)
+
+    def get_placeholder_mask(self, input_ids, inputs_embeds, image_features: torch.Tensor) -> torch.Tensor:
+        """Bool mask `[B, T, hidden]` of the placeholder positions; raises unless they match the feature count."""
+        ph = self.config.media_placeholder_token_id
+        if input_ids is not None:
+            is_ph = input_ids == ph
+        else:
+            token = self.get_input_embeddings()(torch.tensor(ph, device=inputs_embeds.device))
+            is_ph = (inputs_embeds == token.to(inputs_embeds.dtype)).all(-1)
+        found, needed = int(is_ph.sum()), image_features.shape[0]
+        if found != needed:
             raise ValueError(
-                f"input_ids contain the media placeholder token {self.config.media_placeholder_token_id} "
-                "but no images were given (and image inputs are not supported yet)"
+                f"the prompt holds {found} image placeholder tokens (id {ph}) but the images give {needed} features: "
+                f"each image needs its placeholder repeated h*w/4 times (the processor expands it)"
             )
-        return self.language_model(input_ids=input_ids, **kwargs)
+        return is_ph[..., None].expand_as(inputs_embeds)
+
+    def forward(self, input_ids=None, pixel_values=None, image_grid_thw=None, inputs_embeds=None, grid_thw=None,
+                **kwargs):
+        grid_thw = image_grid_thw if image_grid_thw is not None else grid_thw
+        if pixel_values is None:
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            continuing = cache is not None and cache.get_seq_length() > 0
+            # A placeholder token sampled during decoding is embedded as an ordinary token; in a fresh prompt it
+            # means an image is missing.
+            if (not continuing and input_ids is not None
+                    and bool((input_ids == self.config.media_placeholder_token_id).any())):
+                raise ValueError(
+                    f"input_ids contain the media placeholder token {self.config.media_placeholder_token_id} "
+                    "but no pixel_values were given"
+                )
+            return self.language_model(input_ids=input_ids, inputs_embeds=inputs_embeds, **kwargs)
+        if grid_thw is None:
+            raise ValueError("pixel_values were given without image_grid_thw ([num_images, 3] of (t, h, w))")
+        if inputs_embeds is None:
+            if input_ids is None:
+                raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+            inputs_embeds = self.get_input_embeddings()(input_ids)
+        features = torch.cat(self.get_image_features(pixel_values, grid_thw)).to(inputs_embeds.dtype)
+        mask = self.get_placeholder_mask(input_ids, inputs_embeds, features)
+        inputs_embeds = inputs_embeds.masked_scatter(mask, features)
+        return self.language_model(inputs_embeds=inputs_embeds, **kwargs)
+
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, inputs_embeds=None, **kwargs):
+        """Images go in with the prompt only; later steps continue from the cache, which already holds them.
+
+        The named arguments are there because generate validates its kwargs against this signature.
+        """
+        first = kwargs.get("is_first_iteration")
+        if first is None:  # older transformers: the first step is the one that starts from an empty cache
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            first = cache is None or cache.get_seq_length() == 0
+        inputs = super().prepare_inputs_for_generation(
+            input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs
+        )
+        if not first and inputs.get("use_cache", kwargs.get("use_cache", True)) is not False:
+            for key in ("pixel_values", "image_grid_thw", "grid_thw"):
+                inputs.pop(key, None)
+        return inputs
 
 
 __all__ = [
     "KimiK3PreTrainedModel", "KimiK3Model", "KimiK3ForCausalLM", "KimiK3ForConditionalGeneration",
     "KimiK3Attention", "KimiK3DeltaAttention", "KimiK3LatentMoE", "KimiK3Experts", "KimiK3DecoderLayer",
+    "KimiK3VisionTower", "KimiK3VisionBlock", "KimiK3Projector",
 ]

@@ -42,7 +42,8 @@ def tiny_config(num_hidden_layers: int = 8, vocab_size: int = 512, **text_overri
     t.update(text_overrides)
     d["vision_config"].update(
         vt_hidden_size=32, vt_intermediate_size=64, vt_num_attention_heads=2, vt_num_hidden_layers=2,
-        qkv_hidden_size=32, mm_hidden_size=32, text_hidden_size=64, init_pos_emb_height=8, init_pos_emb_width=8,
+        qkv_hidden_size=32, mm_hidden_size=32, text_hidden_size=t["hidden_size"],
+        # the released 64 x 64 position table (only its width is small): images are resized from it as in K3
     )
     d.update(bos_token_id=vocab_size - 4, eos_token_id=vocab_size - 3, pad_token_id=vocab_size - 1,
              media_placeholder_token_id=vocab_size - 2)

@@ -267,7 +267,8 @@ def test_peft_lora_all_layer_kinds(ckpt, base_lm, tmp_path):
     assert not any("lora_" in n for n, _ in merged.named_parameters())
     with torch.no_grad():
         merged_logits = merged(input_ids=ids, use_cache=False).logits
-    assert rel_err(merged_logits, lora_logits) <= 1e-5
+    # Merging changes only the order of fp32 roundings (W + BA vs W x + B A x), through every layer: 1e-4.
+    assert rel_err(merged_logits, lora_logits) <= 1e-4
 
 
 def test_peft_lora_kv_b_proj_used_with_cache(ckpt):
