@@ -1,6 +1,6 @@
 """Fused AttnRes (Triton) against the torch reference and fla's `naive_attnres`, forward and backward.
 
-Runs on the CPU under `TRITON_INTERPRET=1` (set below before triton is imported) and compiled on CUDA.
+Runs on the CPU under `TRITON_INTERPRET=1` (set in conftest.py when there is no GPU) and compiled on CUDA.
 Tolerance rule: fp32 inputs rel_err <= 1e-5 forward and 1e-4 backward against the fp32 reference; bf16 inputs
 rel_err <= 1e-2 forward and 2e-2 backward (the incoming gradient is bf16 too) against the fp32
 reference evaluated on the same bf16 values.
@@ -8,7 +8,7 @@ reference evaluated on the same bf16 values.
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# TRITON_INTERPRET is set by conftest.py when there is no GPU (before triton is first imported).
 
 import pytest
 import torch

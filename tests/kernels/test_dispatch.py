@@ -10,7 +10,7 @@ import os
 import sys
 import types
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# TRITON_INTERPRET is set by conftest.py when there is no GPU (before triton is first imported).
 
 import pytest
 import torch

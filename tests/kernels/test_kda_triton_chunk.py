@@ -1,13 +1,13 @@
 """Triton chunked KDA forward (bounded gate, 16-token tiles) against the torch reference and fla's naive recurrent.
 
-Runs on the CPU under `TRITON_INTERPRET=1` (set below before triton is imported) and compiled on CUDA.
+Runs on the CPU under `TRITON_INTERPRET=1` (set in conftest.py when there is no GPU) and compiled on CUDA.
 Tolerance rule (rel_err = max|a - b| / max|b|): fp32 inputs <= 1e-4 against the fp32 reference; bf16 inputs
 <= 2e-2 against the fp32 reference evaluated on the same bf16 values; fp32 gradients <= 1e-4.
 """
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# TRITON_INTERPRET is set by conftest.py when there is no GPU (before triton is first imported).
 
 import pytest
 import torch

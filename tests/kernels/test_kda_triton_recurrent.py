@@ -1,6 +1,6 @@
 """Triton fused recurrent KDA against the torch reference and fla's `naive_recurrent_kda`.
 
-Runs on the CPU under `TRITON_INTERPRET=1` (set below before triton is imported) and compiled on CUDA.
+Runs on the CPU under `TRITON_INTERPRET=1` (set in conftest.py when there is no GPU) and compiled on CUDA.
 Tolerance rule (rel_err = max-norm relative error, tests/helpers.py): fp32 inputs <= 1e-5 against the fp32
 reference; bf16 inputs <= 2e-2 against the fp32 reference evaluated on the same bf16 values. Output
 buffers are poisoned with NaN before each call, so an unwritten element fails.
@@ -8,7 +8,7 @@ buffers are poisoned with NaN before each call, so an unwritten element fails.
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# TRITON_INTERPRET is set by conftest.py when there is no GPU (before triton is first imported).
 
 import pytest
 import torch
