@@ -58,7 +58,8 @@ def _shape_str(*dims) -> str:
     return "[" + ", ".join(str(d) for d in dims) + "]"
 
 
-def _validate(q, k, v, g, beta, initial_state, cu_seqlens):
+def _validate_shapes(q, k, v, g, beta):
+    """Shapes of the per-token inputs (no host sync); returns B, T, H, K, V."""
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got {tuple(q.shape)}")
     B, T, H, K = q.shape
@@ -71,6 +72,11 @@ def _validate(q, k, v, g, beta, initial_state, cu_seqlens):
         raise ValueError(f"g must be [B, T, H, K] = {_shape_str(B, T, H, K)}, got {tuple(g.shape)}")
     if tuple(beta.shape) != (B, T, H):
         raise ValueError(f"beta must be [B, T, H] = {_shape_str(B, T, H)}, got {tuple(beta.shape)}")
+    return B, T, H, K, V
+
+
+def _validate(q, k, v, g, beta, initial_state, cu_seqlens):
+    B, T, H, K, V = _validate_shapes(q, k, v, g, beta)
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"cu_seqlens requires batch size B = 1, got B = {B}")

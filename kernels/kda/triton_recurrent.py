@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import _validate_shapes
+
 __all__ = ["fused_recurrent_kda"]
 
 
@@ -194,18 +196,7 @@ def fused_recurrent_kda(
             "the Triton fused_recurrent_kda is forward-only (no backward): call it under torch.no_grad() or "
             "use the torch reference (kda_backend='torch') for training"
         )
-    if q.dim() != 4:
-        raise ValueError(f"q must be [B, T, H, K], got {tuple(q.shape)}")
-    B, T, H, K = q.shape
-    if tuple(k.shape) != (B, T, H, K):
-        raise ValueError(f"k must be [B, T, H, K] = {[B, T, H, K]}, got {tuple(k.shape)}")
-    if v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
-        raise ValueError(f"v must be [B, T, H, V] = {[B, T, H, 'V']}, got {tuple(v.shape)}")
-    V = v.shape[-1]
-    if tuple(g.shape) != (B, T, H, K):
-        raise ValueError(f"g must be [B, T, H, K] = {[B, T, H, K]}, got {tuple(g.shape)}")
-    if tuple(beta.shape) != (B, T, H):
-        raise ValueError(f"beta must be [B, T, H] = {[B, T, H]}, got {tuple(beta.shape)}")
+    B, T, H, K, V = _validate_shapes(q, k, v, g, beta)
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _check_float(name, x)
         if x.device != q.device:

@@ -79,16 +79,22 @@ def _tanh(x):
 
 
 @triton.jit
+def _row_tile(SORTED, BLOCK_EXPERT, pid_m, num_assign, top_k, BLOCK_M: tl.constexpr):
+    """This program's expert, its BLOCK_M padded rows, their assignment ids, which are real, and their tokens."""
+    e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    assign = tl.load(SORTED + rows)
+    valid = assign < num_assign
+    return e, rows, assign, valid, (assign // top_k).to(tl.int64)
+
+
+@triton.jit
 def _gate_up_situ(
     X, W, S, H, SORTED, BLOCK_EXPERT, num_assign, top_k, D, I, beta, linear_beta,
     FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    assign = tl.load(SORTED + rows)
-    valid = assign < num_assign
-    token = (assign // top_k).to(tl.int64)
+    e, rows, assign, valid, token = _row_tile(SORTED, BLOCK_EXPERT, pid_m, num_assign, top_k, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -111,11 +117,7 @@ def _down(
     FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    assign = tl.load(SORTED + rows)
-    valid = assign < num_assign
-    token = (assign // top_k).to(tl.int64)
+    e, rows, assign, valid, token = _row_tile(SORTED, BLOCK_EXPERT, pid_m, num_assign, top_k, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output (latent) channels
     rows64 = rows.to(tl.int64)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
