@@ -67,6 +67,7 @@ def main():
             f_ms = triton.testing.do_bench(paths[name])
             fb_ms = triton.testing.do_bench(train[name], grad_to_none=leaves + [st_leaf, qg, nwg])
             rows.append((N, name, f_ms, fwd_bytes / f_ms / 1e9, fb_ms, (fwd_bytes + bwd_bytes) / fb_ms / 1e9))
+            print(f"N={N} {name}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms", flush=True)
     print(f"\nAttnRes, T = {T}, d = {d}, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}\n")
     print("| N | path | fwd ms | fwd TB/s | fwd % of 4.27 | fwd+bwd ms | fwd+bwd TB/s | fwd+bwd % |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

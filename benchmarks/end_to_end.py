@@ -1,13 +1,18 @@
-"""End-to-end GPU check and timing: a K3-width model (hidden 7168, the real KDA/MLA/expert shapes, 3 KDA + 1 MLA
-layers, 64 experts top-16) in bf16, run on the torch path and on our kernels (Triton KDA chunk + decode,
-`k3_mla_paged` attention, `k3_triton` experts, fused AttnRes), same weights.
+"""End-to-end GPU check and timing of a K3-width model (hidden 7168, the real KDA / MLA / latent-MoE shapes, 3 KDA
++ 1 MLA layers, `--experts` routed experts top-16) in bf16: the torch path against our kernels (Triton KDA chunk +
+decode, `k3_mla_paged` attention, `k3_triton` experts, fused AttnRes), same weights, and against transformers'
+native Kimi Linear (fla kernels when fla is importable) at a matching size as the peer.
 
-Checks: prefill logits of the kernel path against the torch path (bf16 tolerance), greedy generate tokens.
-Times: prefill and decode (eager, per token) at B = 1 and 64 for a 1K prompt, and the cache bytes per token.
+Checks: prefill logits of the kernel path against the torch path (bf16 tolerance), cached decode against the
+full forward, greedy generate tokens.
+Times: prefill and eager decode per token at B = 1 and 64 for a 1K prompt (and B = 1 at 32K with `--long`),
+each after an untimed warm-up at the same batch (compilation, autotuning), and the cache bytes that each token
+adds (the growing part; K3's KDA state and the peer's recurrent state are fixed per sequence).
 
-    . scripts/device_env.sh && python3 benchmarks/end_to_end.py
+    . scripts/device_env.sh && python3 -u benchmarks/end_to_end.py [--peer] [--long] [--experts 64]
 """
 
+import argparse
 import time
 
 import torch
@@ -15,6 +20,8 @@ import torch
 import transformers_k3  # noqa: F401
 from transformers_k3 import KimiK3Cache, KimiK3Config, KimiK3ForConditionalGeneration
 from transformers_k3.tiny import released_config_dict
+
+VOCAB = 4096
 
 
 def rel(a, b):
@@ -27,20 +34,93 @@ def set_path(lm, fast: bool):
     lm.set_experts_implementation("k3_triton" if fast else "grouped_mm")
 
 
-@torch.no_grad()
-def main():
+def k3_model(experts: int):
     d = released_config_dict()
     t = d["text_config"]
-    t.update(num_hidden_layers=4, num_experts=64, num_experts_per_token=16, vocab_size=4096)
+    t.update(num_hidden_layers=4, num_experts=experts, num_experts_per_token=16, vocab_size=VOCAB)
     t["linear_attn_config"] = dict(t["linear_attn_config"], kda_layers=[1, 2, 3], full_attn_layers=[4])
-    config = KimiK3Config(**d)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        m = KimiK3ForConditionalGeneration(config).eval()
-    lm = m.language_model.to(torch.bfloat16)
+        m = KimiK3ForConditionalGeneration(KimiK3Config(**d)).eval()
+    return m.language_model.to(torch.bfloat16), t
+
+
+def kimi_linear_peer(t: dict, experts: int, device="cuda"):
+    """Transformers' Kimi Linear at K3's widths: same layer pattern, heads, MLA ranks, expert count and width."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    la = t["linear_attn_config"]
+    cfg = KimiLinearConfig(
+        vocab_size=VOCAB, hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"],
+        moe_intermediate_size=t["moe_intermediate_size"], num_hidden_layers=4,
+        num_attention_heads=t["num_attention_heads"], num_key_value_heads=t["num_attention_heads"],
+        kv_lora_rank=t["kv_lora_rank"], q_lora_rank=t["q_lora_rank"], qk_rope_head_dim=t["qk_rope_head_dim"],
+        qk_nope_head_dim=t["qk_nope_head_dim"], v_head_dim=t["v_head_dim"], num_local_experts=experts,
+        num_experts_per_tok=16, n_shared_experts=t["num_shared_experts"],
+        linear_attn_config=dict(head_dim=la["head_dim"], num_heads=la["num_heads"], short_conv_kernel_size=4,
+                                kda_layers=[1, 2, 3], full_attn_layers=[4]),
+        first_k_dense_replace=1, pad_token_id=VOCAB - 1, bos_token_id=VOCAB - 4, eos_token_id=VOCAB - 3,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        return KimiLinearForCausalLM(cfg).eval().to(torch.bfloat16)
+
+
+def tensor_bytes(obj, seen=None) -> int:
+    """Bytes of every CUDA tensor reachable from a cache object (layers, lists, dicts, attributes)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(x, seen) for x in obj)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(x, seen) for x in obj.values())
+    if hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, type)):
+        return sum(tensor_bytes(x, seen) for x in vars(obj).values())
+    return 0
+
+
+def timed(model, x, B, P, steps, make_cache):
+    """(prefill s, decode s per step, cache bytes added per token)."""
+    def run(prompt, n):
+        cache = make_cache()
+        kw = {"cache": cache} if isinstance(cache, KimiK3Cache) else {"past_key_values": cache}
+        torch.cuda.synchronize(); t0 = time.perf_counter()
+        out = model(input_ids=prompt, use_cache=True, **kw)
+        torch.cuda.synchronize(); pre = time.perf_counter() - t0
+        cache = out.past_key_values if cache is None else cache
+        kw = {"cache": cache} if isinstance(cache, KimiK3Cache) else {"past_key_values": cache}
+        tok = out.logits[:, -1:].argmax(-1)
+        b0 = cache.nbytes()["mla"] if isinstance(cache, KimiK3Cache) else tensor_bytes(cache)
+        torch.cuda.synchronize(); t0 = time.perf_counter()
+        for _ in range(n):
+            tok = model(input_ids=tok, use_cache=True, **kw).logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize(); dec = (time.perf_counter() - t0) / max(n, 1)
+        if isinstance(cache, KimiK3Cache):
+            per_tok = cache.nbytes()["mla"] / (B * cache.get_seq_length())
+        else:
+            per_tok = (tensor_bytes(cache) - b0) / (B * n)
+        return pre, dec, per_tok
+
+    run(x[:B, :64], 3)  # warm-up: compiles every kernel variant this batch uses
+    return run(x[:B, :P], steps)
+
+
+@torch.no_grad()
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--peer", action="store_true", help="also time transformers' Kimi Linear (fla if importable)")
+    ap.add_argument("--long", action="store_true", help="add a 32K prompt at B = 1")
+    args = ap.parse_args()
+    lm, t = k3_model(args.experts)
     n = sum(p.numel() for p in lm.parameters())
-    print(f"K3-width, 4 layers, {n / 1e9:.2f}B params, {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    x = torch.randint(0, 4096, (64, 1024), device="cuda")
+    print(f"K3-width, 4 layers, {args.experts} experts, {n / 1e9:.2f}B params, {torch.cuda.get_device_name()}, "
+          f"torch {torch.__version__}", flush=True)
+    x = torch.randint(0, VOCAB, (64, 32768 if args.long else 1024), device="cuda")
     logits = {}
     for fast in (False, True):
         set_path(lm, fast)
@@ -48,35 +128,44 @@ def main():
         cache = KimiK3Cache(lm.config)
         a = lm(input_ids=x[:2, :500], cache=cache).logits
         b = torch.cat([lm(input_ids=x[:2, s : s + 1], cache=cache).logits for s in range(500, 512)], 1)
-        print(f"{'kernels' if fast else 'torch  '}: cached decode vs full prefill rel err {rel(torch.cat([a, b], 1), logits[fast]):.2e}")
+        print(f"{'kernels' if fast else 'torch  '}: cached decode vs full prefill rel err "
+              f"{rel(torch.cat([a, b], 1), logits[fast]):.2e}", flush=True)
     print(f"kernels vs torch path, prefill logits rel err {rel(logits[True], logits[False]):.2e}")
     gen = {}
     for fast in (False, True):
         set_path(lm, fast)
         gen[fast] = lm.generate(x[:2, :64], max_new_tokens=16, do_sample=False)
     same = (gen[True] == gen[False]).float().mean().item()
-    print(f"greedy generate, 16 tokens x 2 sequences: {100 * same:.0f} % of tokens equal")
-    print("\n| path | B | prompt | prefill ms | prefill tok/s | decode ms/step | decode tok/s | MLA cache bytes/token |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"greedy generate, 16 tokens x 2 sequences: {100 * same:.0f} % of tokens equal", flush=True)
+
+    cases = [(1, 1024), (64, 1024)] + ([(1, 32768)] if args.long else [])
+    rows = []
     for fast in (False, True):
         set_path(lm, fast)
-        for B in (1, 64):
-            cache = KimiK3Cache(lm.config)
-            torch.cuda.synchronize(); t0 = time.perf_counter()
-            o = lm(input_ids=x[:B, :1024], cache=cache).logits
-            torch.cuda.synchronize(); pre = time.perf_counter() - t0
-            tok = o[:, -1:].argmax(-1)
-            for _ in range(2):  # warm-up steps (compile / autotune)
-                tok = lm(input_ids=tok, cache=cache).logits[:, -1:].argmax(-1)
-            torch.cuda.synchronize(); t0 = time.perf_counter()
-            steps = 16
-            for _ in range(steps):
-                tok = lm(input_ids=tok, cache=cache).logits[:, -1:].argmax(-1)
-            torch.cuda.synchronize(); dec = (time.perf_counter() - t0) / steps
-            nb = cache.nbytes()
-            per_tok = nb["mla"] / (B * cache.get_seq_length())  # the growing part; KDA state is fixed per sequence
-            print(f"| {'kernels' if fast else 'torch'} | {B} | 1024 | {pre * 1e3:.0f} | {B * 1024 / pre:.0f} | "
-                  f"{dec * 1e3:.1f} | {B / dec:.0f} | {per_tok:.0f} |")
+        for B, P in cases:
+            pre, dec, per_tok = timed(lm, x, B, P, 16, lambda: KimiK3Cache(lm.config))
+            rows.append(("K3 kernels" if fast else "K3 torch", B, P, pre, dec, per_tok))
+            print(rows[-1], flush=True)
+    if args.peer:
+        del lm
+        torch.cuda.empty_cache()
+        peer = kimi_linear_peer(t, args.experts)
+        try:
+            import fla  # noqa: F401
+            name = "Kimi Linear (transformers, fla)"
+        except ImportError:
+            name = "Kimi Linear (transformers, torch)"
+        print(f"peer: {name}, {sum(p.numel() for p in peer.parameters()) / 1e9:.2f}B params", flush=True)
+        for B, P in cases:
+            pre, dec, per_tok = timed(peer, x, B, P, 16, lambda: None)
+            rows.append((name, B, P, pre, dec, per_tok))
+            print(rows[-1], flush=True)
+    print("\n| model / path | B | prompt | prefill ms | prefill tok/s | decode ms/step | decode tok/s | "
+          "cache bytes/token |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, B, P, pre, dec, per_tok in rows:
+        print(f"| {name} | {B} | {P} | {pre * 1e3:.0f} | {B * P / pre:,.0f} | {dec * 1e3:.1f} | {B / dec:,.0f} | "
+              f"{per_tok:,.0f} |")
 
 
 if __name__ == "__main__":

@@ -27,9 +27,11 @@ from k3_kernels.mla.triton_decode import mla_paged_decode
 CEILING_TBS = 4.27
 R, DR, PAGE = 512, 64, 64
 CONFIG = pathlib.Path(__file__).resolve().parents[1] / "src" / "transformers_k3" / "released_config.json"
-# (block_m, block_n, num_warps, num_stages): the heuristic default is always run too.
+# (block_m, block_n, num_warps, num_stages[, num_splits]): the heuristic default is always run too.
 SWEEP = [(64, 32, 8, 2), (64, 16, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2),
-         (64, 64, 8, 1), (16, 64, 4, 2)]
+         (64, 64, 8, 1), (16, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 8, 2),
+         (128, 64, 8, 2), (32, 64, 4, 3), (64, 32, 4, 2, 4), (64, 64, 4, 2, 8), (64, 64, 16, 2), (64, 32, 16, 2),
+         (128, 16, 16, 1), (64, 32, 8, 2, 4), (64, 32, 8, 2, 8)]
 
 
 def heads_from_config() -> int:
@@ -117,8 +119,8 @@ def main():
             best, best_cfg = bench(lambda: mla_paged_decode(q_lat, q_pe, pool, table, lengths, scale, max_len=L)), "default"
             t_default = best
             for cfg in ([] if args.quick else SWEEP):
-                bm, bn, nw, ns = cfg
-                kw = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, max_len=L)
+                bm, bn, nw, ns, splits = (*cfg, None)[:5]
+                kw = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, num_splits=splits, max_len=L)
                 try:
                     o = mla_paged_decode(q_lat, q_pe, pool, table, lengths, scale, **kw)
                     if rel(o, ref) > tol:

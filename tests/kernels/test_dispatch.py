@@ -3,6 +3,7 @@ model's decode through the Triton recurrent kernel (CPU interpreter) updating th
 Tolerance of the model check: rel_err (max-norm) < 5e-5, the hybrid-invariant tolerance.
 """
 
+import copy
 import importlib.machinery
 import importlib.util
 import logging
@@ -124,8 +125,11 @@ def test_model_decode_through_triton_recurrent_updates_cache_in_place(lm, monkey
         return fused_recurrent_kda(*args, **kwargs)
 
     recurrent.supports_inplace_state = True
+    # Compiled Triton needs CUDA tensors; without a GPU the interpreter runs on the CPU ones.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    lm = copy.deepcopy(lm).to(device)
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 500, (2, 9), generator=g)
+    x = torch.randint(0, 500, (2, 9), generator=g).to(device)
     full = lm(input_ids=x, use_cache=False).logits
     monkeypatch.setattr(dispatch, "kda_ops", lambda backend, device: (ref.chunk_kda, recurrent))
     cache = KimiK3Cache(lm.config)
