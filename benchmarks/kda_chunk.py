@@ -1,32 +1,41 @@
-"""KDA prefill (chunked) forward on one GPU: our Triton kernel vs fla's `chunk_kda`, same inputs, same flags.
+"""KDA prefill (chunked) forward on one GPU: our Triton kernels (16-token chunks, split; 64-token chunks of
+16-token sub-tiles) vs fla's `chunk_kda`, same inputs, same flags.
 
-Shapes: B = 1, H = 96, K = V = 128, bf16 q/k/v/z/beta, fp32 A_log/dt_bias; T = 8K, 32K (128K with --long) and
-a FlashKDA-style varlen batch (8 sequences summing to 32K). Both run with the in-kernel gate
-(`lower_bound * sigmoid(exp(A_log) * (z + dt_bias))`, lower_bound = -5), in-kernel beta sigmoid and q/k L2 norm.
-First a correctness check on a small shape against the fp32 torch reference (and fla if present).
-Timing: `triton.testing.do_bench` median. Ceiling: 0.23 ms at T = 8K, linear in T (notes/performance.md).
+Shapes: B = 1, H = 96, K = V = 128, bf16 q/k/v/z/beta, fp32 A_log/dt_bias/initial state; T = 8K, 32K (128K
+with --long) and a FlashKDA-style varlen batch (8 sequences of mixed lengths summing to 32K). All run with the
+in-kernel gate (`lower_bound * sigmoid(exp(A_log) * (z + dt_bias))`, lower_bound = -5), in-kernel beta sigmoid
+and q/k L2 norm. First a correctness check on small shapes against the fp32 torch reference (and fla if
+present); then the timing table (`triton.testing.do_bench` median, ms), ours vs fla, and the percentage of the
+bandwidth ceiling (0.23 ms at T = 8K, linear in T: notes/performance.md); below it one correctness line per
+timed case (rel err = max|a - b| / max|b| of o and the final state against fla at the full size).
 
-    pip install -e . && python benchmarks/kda_chunk.py     # with fla (its first call autotunes 3-4 min)
-    python benchmarks/kda_chunk.py --no-fla --bwd --long --block-v 32
+    pip install -e . && python benchmarks/kda_chunk.py --sweep     # with fla (its first call per shape
+                                                                   # autotunes for minutes)
+    python benchmarks/kda_chunk.py --no-fla --long --chunk-size 64 --block-v 32 --num-warps 4 --num-stages 2
     TRITON_INTERPRET=1 python benchmarks/kda_chunk.py --check-only --device cpu --no-fla   # CPU smoke
 
-Forward + backward (--bwd): our backward is currently the torch reference recomputed under autograd, so
-that row measures correctness plumbing, not a kernel; it is run at T = 8K only.
+--sweep first times the 64-token kernel over block_v x num_warps x num_stages (state loop), then prep_num_warps
+and state_dot at the best of those, and the 16-token split kernel over block_v x num_warps, all at T = 8K; the
+best configuration of each is then used for the table (unless given on the command line).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 import triton
 
 from k3_kernels.kda import reference as R
-from k3_kernels.kda.triton_chunk import chunk_kda, chunk_kda_fwd
+from k3_kernels.kda.triton_chunk import chunk_kda_fwd
 
 H, K, V = 96, 128, 128
 CEIL_MS_8K = 0.23
 DEV = "cuda"
+FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
+# varlen case: 8 sequences, 32K total, boundaries at and off 64-token chunk edges
+VARLEN_LENS = [1000, 7168, 2111, 5120, 3001, 6144, 4096, 4128]
 
 
 def rel(a, b):
@@ -47,18 +56,11 @@ def inputs(T, H=H, K=K, V=V, seed=0, N=1):
     return q, k, v, z, beta, A_log, dt_bias, h0
 
 
-FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
-
-
-TUNE = {}  # block_v / num_warps of our kernel, from the command line
-
-
-def ours(q, k, v, z, beta, A_log, dt_bias, h0=None, cu=None, block_v=None, fwd_only=True, split=False):
-    if fwd_only:
-        return chunk_kda_fwd(q, k, v, z, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                             A_log=A_log, dt_bias=dt_bias, block_v=block_v, split=split, **FLAGS, **TUNE)
-    return chunk_kda(q, k, v, z, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                     A_log=A_log, dt_bias=dt_bias, **FLAGS)
+def ours(x, cu=None, chunk_size=64, **tune):
+    q, k, v, z, beta, A_log, dt_bias, h0 = x
+    split = tune.pop("split", chunk_size == 16)
+    return chunk_kda_fwd(q, k, v, z, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                         A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size, split=split, **FLAGS, **tune)
 
 
 def fla_fn():
@@ -67,34 +69,51 @@ def fla_fn():
     except ImportError:
         return None
 
-    def run(q, k, v, z, beta, A_log, dt_bias, h0=None, cu=None):
+    def run(x, cu=None):
+        q, k, v, z, beta, A_log, dt_bias, h0 = x
         return fla_chunk(q, k, v, z, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
                          A_log=A_log, dt_bias=dt_bias, safe_gate=True, **FLAGS)
 
     return run
 
 
-def reference(q, k, v, z, beta, A_log, dt_bias, h0=None, cu=None):
+def reference(x, cu=None):
+    q, k, v, z, beta, A_log, dt_bias, h0 = x
     g = R.kda_gate(z, A_log, dt_bias, lower_bound=-5.0)
     return R.chunk_kda(q.float(), k.float(), v.float(), g, torch.sigmoid(beta.float()), initial_state=h0,
                        output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
 
 
-def check(fla, block_v):
-    print("## correctness (small shape, vs fp32 torch reference)\n")
-    for T, cu in ((300, None), (300, [0, 5, 77, 150, 300])):
+def variants(args):
+    """(label, chunk_size, tune kwargs) of our kernels to check and time."""
+    out = []
+    for c in args.chunk_size:
+        tune = dict(TUNE[c])
+        out.append((f"ours c{c}{' split' if c == 16 else ''}", c, tune))
+        if c == 16 and args.fused16:
+            out.append(("ours c16 fused", 16, dict(tune, split=False)))
+    return out
+
+
+def check(fla, args):
+    # tolerance rule of the tests: 2e-2 for bf16 inputs, 3e-2 with a low-precision chunk-64 option
+    lowp = TUNE[64].get("state_dot") == "bf16" or bool(TUNE[64].get("lowp_buffers"))
+    tol = 3e-2 if lowp else 2e-2
+    print(f"## correctness (small shapes, H = 4, vs fp32 torch reference, tolerance {tol:.0e})\n")
+    print(f"configs: chunk 16 {TUNE[16] or 'defaults'}, chunk 64 {TUNE[64] or 'defaults'}\n")
+    for T, cu in ((300, None), (300, [0, 5, 77, 150, 300]), (300, [0, 64, 65, 128, 300])):
         N = 1 if cu is None else len(cu) - 1
         x = inputs(T, H=4, N=N, seed=1)
         cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=DEV)
-        o_r, S_r = reference(*x, cu=cu_t)
-        line, ok = f"T={T} varlen={cu is not None}:", True
-        for split in (False, True):
-            o, S = ours(*x, cu=cu_t, block_v=block_v, split=split)
-            line += f" ours{'-split' if split else ''} rel_err o {rel(o, o_r):.2e} S {rel(S, S_r):.2e}"
-            ok = ok and rel(o, o_r) <= 2e-2 and rel(S, S_r) <= 2e-2
+        o_r, S_r = reference(x, cu=cu_t)
+        line, ok = f"T={T} cu_seqlens={cu}:", True
+        for label, c, tune in variants(args):
+            o, S = ours(x, cu=cu_t, chunk_size=c, **tune)
+            line += f" {label} o {rel(o, o_r):.2e} S {rel(S, S_r):.2e};"
+            ok = ok and rel(o, o_r) <= tol and rel(S, S_r) <= tol
         if fla is not None:
-            o_f, S_f = fla(*x, cu=None if cu is None else cu_t.long())
-            line += f" | fla o {rel(o_f, o_r):.2e} S {rel(S_f, S_r):.2e}"
+            o_f, S_f = fla(x, cu=None if cu is None else cu_t.long())
+            line += f" fla o {rel(o_f, o_r):.2e} S {rel(S_f, S_r):.2e}"
         print(line, "OK" if ok else "FAIL")
         if not ok:
             raise SystemExit("correctness check failed: not timing")
@@ -105,84 +124,169 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def try_bench(fn):
+    try:
+        return bench(fn)
+    except Exception as e:  # e.g. out of registers / shared memory for a config
+        print(f"    (config failed: {type(e).__name__}: {str(e)[:100]})")
+        return math.inf
+
+
+def sweep(args):
+    x = inputs(8192)
+    fmt = lambda t: "failed" if t == math.inf else f"{t:.3f}"  # noqa: E731
+    if 64 in args.chunk_size:
+        print("## sweep, chunk 64, T = 8K (state loop config; prep_num_warps, state_dot, lowp_buffers at defaults)\n")
+        print("| block_v | num_warps | num_stages | ms |\n|---|---|---|---|")
+        best = (math.inf, None)
+        for bv in (16, 32, 64, 128):
+            for nw in (4, 8):
+                for ns in (1, 2, 3):
+                    t = try_bench(lambda: ours(x, chunk_size=64, block_v=bv, num_warps=nw, num_stages=ns))
+                    print(f"| {bv} | {nw} | {ns} | {fmt(t)} |")
+                    best = min(best, (t, dict(block_v=bv, num_warps=nw, num_stages=ns)), key=lambda p: p[0])
+        cfg = best[1] or {}
+        print("\n| prep_num_warps | state_dot | lowp_buffers | ms |\n|---|---|---|---|")
+        best2 = (math.inf, None)
+        for pw in (4, 8):
+            for sd in ("tf32", "bf16"):
+                for lp in (False, True):
+                    t = try_bench(lambda: ours(x, chunk_size=64, prep_num_warps=pw, state_dot=sd, lowp_buffers=lp,
+                                               **cfg))
+                    print(f"| {pw} | {sd} | {lp} | {fmt(t)} |")
+                    # the low-precision options cost accuracy (tests: <= 3e-2 instead of 2e-2): only report
+                    # them as best if each one buys > 5 %
+                    key = t * (1.05 if sd == "bf16" else 1.0) * (1.05 if lp else 1.0)
+                    if key < best2[0]:
+                        best2 = (key, dict(prep_num_warps=pw, state_dot=sd, lowp_buffers=lp))
+        cfg.update(best2[1] or {})
+        print(f"\nbest chunk-64 config: {cfg}\n")
+        for n, val in cfg.items():
+            if getattr(args, n, None) is None:
+                TUNE[64][n] = val
+    if 16 in args.chunk_size:
+        print("## sweep, chunk 16 split, T = 8K\n")
+        print("| block_v | num_warps | ms |\n|---|---|---|")
+        best = (math.inf, None)
+        for bv in (16, 32, 64):
+            for nw in (2, 4, 8):
+                t = try_bench(lambda: ours(x, chunk_size=16, block_v=bv, num_warps=nw))
+                print(f"| {bv} | {nw} | {fmt(t)} |")
+                best = min(best, (t, dict(block_v=bv, num_warps=nw)), key=lambda p: p[0])
+        print(f"\nbest chunk-16 config: {best[1]}\n")
+        for n, val in (best[1] or {}).items():
+            if getattr(args, n, None) is None:
+                TUNE[16][n] = val
+
+
+TUNE = {16: {}, 64: {}}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--no-fla", action="store_true", help="skip fla (its first call autotunes for minutes)")
+    ap.add_argument("--no-fla", action="store_true", help="skip fla (its first call per shape autotunes for minutes)")
     ap.add_argument("--long", action="store_true", help="add T = 128K")
-    ap.add_argument("--bwd", action="store_true", help="also time forward + backward at T = 8K")
-    ap.add_argument("--block-v", type=int, default=None, help="V tile of our kernel (default 32)")
-    ap.add_argument("--num-warps", type=int, default=4, help="num_warps of our kernel")
-    ap.add_argument("--sweep", action="store_true", help="time block_v x num_warps of our kernel at T = 8K first")
+    ap.add_argument("--chunk-size", type=int, nargs="+", default=[16, 64], choices=[16, 64],
+                    help="our kernels to time (16 = 16-token split path, 64 = 64-token path)")
+    ap.add_argument("--fused16", action="store_true", help="also time the fused (split=False) 16-token kernel")
+    ap.add_argument("--block-v", type=int, default=None, help="V tile of our kernels (default 32)")
+    ap.add_argument("--num-warps", type=int, default=None, help="num_warps of our state loop (default 4)")
+    ap.add_argument("--num-stages", type=int, default=None, help="num_stages of the chunk-64 state loop")
+    ap.add_argument("--prep-num-warps", type=int, default=None, help="num_warps of the chunk-64 prep kernel")
+    ap.add_argument("--state-dot", default=None, choices=["tf32", "bf16"], help="chunk-64 state products")
+    ap.add_argument("--lowp-buffers", action="store_true", default=None, help="chunk-64: kd, Aqk stored in bf16")
+    ap.add_argument("--sweep", action="store_true", help="tune our kernels at T = 8K first (see above)")
+    ap.add_argument("--bwd", action="store_true", help="also time forward + backward at T = 8K (ours: chunk_kda)")
     ap.add_argument("--check-only", action="store_true", help="only the small-shape correctness check")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     global DEV
     DEV = args.device
-    TUNE["num_warps"] = args.num_warps
+    for n in ("block_v", "num_warps"):
+        if getattr(args, n) is not None:
+            TUNE[16][n] = TUNE[64][n] = getattr(args, n)
+    for n in ("num_stages", "prep_num_warps", "state_dot", "lowp_buffers"):
+        if getattr(args, n) is not None:
+            TUNE[64][n] = getattr(args, n)
     torch.backends.cuda.matmul.allow_tf32 = False
     fla = None if args.no_fla else fla_fn()
     gpu = torch.cuda.get_device_name() if DEV == "cuda" else DEV
-    print(f"GPU {gpu}, torch {torch.__version__}, triton {triton.__version__}\n")
-    check(fla, args.block_v)
+    print(f"GPU {gpu}, torch {torch.__version__}, triton {triton.__version__}, fla {'yes' if fla else 'no'}\n")
+    check(fla, args)
     if args.check_only:
         return
     if args.sweep:
-        print("| block_v | num_warps | ours fused ms, T=8K | ours split ms, T=8K |\n|---|---|---|---|")
-        x = inputs(8192)
-        for bv in (16, 32, 64, 128):
-            for nw in (2, 4, 8):
-                row = f"| {bv} | {nw} |"
-                for split in (False, True):
-                    try:
-                        t = bench(lambda: chunk_kda_fwd(x[0], x[1], x[2], x[3], x[4], initial_state=x[7],
-                                                        output_final_state=True, A_log=x[5], dt_bias=x[6],
-                                                        block_v=bv, num_warps=nw, split=split, **FLAGS))
-                        row += f" {t:.3f} |"
-                    except Exception as e:  # e.g. out of registers / shared memory for a config
-                        row += f" failed: {type(e).__name__} |"
-                print(row)
-        print()
+        sweep(args)
+        check(fla, args)  # again, with the tuned configs
 
     cases = [("T=8K", 8192, None), ("T=32K", 32768, None)]
     if args.long:
         cases.append(("T=128K", 131072, None))
-    lens = [1024, 7168, 2048, 5120, 3072, 6144, 4096, 4096]  # 8 sequences, 32K total
     cu = [0]
-    for n in lens:
+    for n in VARLEN_LENS:
         cu.append(cu[-1] + n)
-    cases.append(("varlen 8 seqs, 32K", 32768, cu))
+    cases.append((f"varlen {len(VARLEN_LENS)} seqs, {cu[-1] / 1024:g}K", cu[-1], cu))
 
-    print("| case | ours fused ms | ours split ms | fla ms | fla / best ours | best ours % of ceiling |")
-    print("|---|---|---|---|---|---|")
+    vs = variants(args)
+    print(f"configs: chunk 16 {TUNE[16] or 'defaults'}, chunk 64 {TUNE[64] or 'defaults'}\n")
+    print("| case | " + " | ".join(f"{lab} ms" for lab, _, _ in vs) + " | fla ms | " +
+          " | ".join(f"fla / {lab}" for lab, _, _ in vs) + " | best ours % of ceiling |")
+    print("|---" * (2 * len(vs) + 3) + "|")
+    notes = []
     for name, T, cu_l in cases:
         N = 1 if cu_l is None else len(cu_l) - 1
         x = inputs(T, N=N)
         cu_t = None if cu_l is None else torch.tensor(cu_l, dtype=torch.int32, device=DEV)
-        t_fused = bench(lambda: ours(*x, cu=cu_t, block_v=args.block_v))
-        t_split = bench(lambda: ours(*x, cu=cu_t, block_v=args.block_v, split=True))
-        t_ours = min(t_fused, t_split)
-        t_fla = float("nan")
+        ts, outs = [], []
+        for lab, c, tune in vs:
+            outs.append(ours(x, cu=cu_t, chunk_size=c, **tune))
+            ts.append(bench(lambda: ours(x, cu=cu_t, chunk_size=c, **tune)))
+        t_fla, ref = float("nan"), None
         if fla is not None:
             cu_f = None if cu_t is None else cu_t.long()
-            fla(*x, cu=cu_f)  # autotune outside the timing
-            t_fla = bench(lambda: fla(*x, cu=cu_f))
+            ref = fla(x, cu=cu_f)  # autotune outside the timing
+            t_fla = bench(lambda: fla(x, cu=cu_f))
         ceil = CEIL_MS_8K * T / 8192
-        print(f"| {name} | {t_fused:.3f} | {t_split:.3f} | {t_fla:.3f} | {t_fla / t_ours:.2f}x "
-              f"| {100 * ceil / t_ours:.0f} % |")
+        fla_cols = [f"{t_fla / t:.2f}x" if fla is not None else "-" for t in ts]
+        print(f"| {name} | " + " | ".join(f"{t:.3f}" for t in ts) +
+              f" | {f'{t_fla:.3f}' if fla is not None else '-'} | " + " | ".join(fla_cols) +
+              f" | {100 * ceil / min(ts):.0f} % |")
+        line = f"{name}:"
+        for (lab, _, _), (o, S) in zip(vs, outs):
+            if ref is not None:
+                line += f" {lab} vs fla: o {rel(o, ref[0]):.2e} S {rel(S, ref[1]):.2e};"
+            else:
+                line += f" {lab}: finite {bool(torch.isfinite(o).all() and torch.isfinite(S).all())};"
+        if len(outs) > 1:
+            line += (f" {vs[0][0]} vs {vs[-1][0]}: o {rel(outs[0][0], outs[-1][0]):.2e}"
+                     f" S {rel(outs[0][1], outs[-1][1]):.2e}")
+        notes.append(line)
+        del x, outs, ref
+        torch.cuda.empty_cache()
+    print("\ncorrectness at the timed sizes (rel err by max norm):\n")
+    for line in notes:
+        print("-", line)
 
     if args.bwd:
+        from k3_kernels.kda.triton_chunk import chunk_kda
+
         print("\n| forward + backward, T=8K | ms |\n|---|---|")
         x = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs(8192)]
         do = torch.randn(1, 8192, H, V, device=DEV).bfloat16()
 
         def fb(fn):
-            o, S = fn(*x)
+            o, S = fn(x)
             torch.autograd.backward([o, S], [do, torch.zeros_like(S)])
 
+        def ours_ad(x):
+            q, k, v, z, beta, A_log, dt_bias, h0 = x
+            return chunk_kda(q, k, v, z, beta, initial_state=h0, output_final_state=True, A_log=A_log,
+                             dt_bias=dt_bias, **FLAGS)
+
         try:
-            print(f"| ours (torch-reference backward) | {bench(lambda: fb(lambda *a: ours(*a, fwd_only=False))):.2f} |")
+            print(f"| ours (`chunk_kda`, default forward) | {bench(lambda: fb(ours_ad)):.2f} |")
         except torch.OutOfMemoryError:
-            print("| ours (torch-reference backward) | OOM |")
+            print("| ours (`chunk_kda`, default forward) | OOM |")
         if fla is not None:
             print(f"| fla | {bench(lambda: fb(fla)):.2f} |")
 

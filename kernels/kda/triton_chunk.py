@@ -3,7 +3,7 @@
 Same contract as :func:`k3_kernels.kda.reference.chunk_kda` (fla layout [B, T, H, K], fp32 state
 [N, H, K, V], varlen ``cu_seqlens``), plus fla's in-kernel gate / beta-sigmoid / q,k L2 norm flags.
 
-Why chunk 16 without log-space secondary chunking: K3's gate is ``g = lower_bound * sigmoid(...)`` with
+Why 16-token tiles without log-space secondary chunking: K3's gate is ``g = lower_bound * sigmoid(...)`` with
 ``lower_bound >= -5``, so the cumulative log decay ``G`` inside a 16-token tile lies in (-80, 0]. Then
 ``exp(G)`` >= e^-80 ~ 1.8e-35 and ``exp(-G)`` <= e^80 ~ 5.5e34 are both normal numbers in fp32 *and* bf16
 (same exponent range), so the decay-weighted products ``k_i . k_j exp(G_i - G_j)`` are plain dense dots
@@ -24,9 +24,36 @@ is parallel over (chunk, head) and leaves only the four state products in the se
 Precision: fp32 inputs use exact fp32 dots; bf16 inputs use bf16 dots for the intra-chunk products and
 tf32 for every product against the fp32 state (bf16 there cost ~1e-2 relative error in the final state).
 
-Backward: there is no Triton backward yet. :func:`chunk_kda` is a ``torch.autograd.Function`` whose
-backward recomputes the forward with the fp32 torch reference under autograd (exact gradients for q, k, v,
-g or (z, A_log, dt_bias), beta and initial_state; memory/time of the reference).
+64-token chunks (``chunk_size=64``; measured slower than 16-token ``split`` on the H200 with triton 3.6, 7.5 vs
+6.2 ms at T = 8K, so not the default): the state loop above is latency-bound on 16-token steps
+(512 sequential steps of tiny dots at T = 8K). With C = 64 the loop has 4x fewer steps and its dots are
+[64, K] x [K, BV]. Inside a 64-chunk the cumulative decay G lies in (-320, 0], so exp(-G) would overflow;
+the chunk is therefore built from four 16-token sub-tiles t = 0..3 with e_t = G at the end of sub-tile t
+and the reference r_t = e_{t-1} (r_0 = 0). For a in sub-tile i and b in sub-tile j <= i:
+
+    G_a - G_b = (G_a - r_i) + (r_i - G_b),    G_a - r_i in [-80, 0]  (16 steps >= -5 each)
+    j = i:  r_i - G_b in [0, 80]         -> e^{+-80} are normal fp32 / bf16 numbers, no overflow
+    j < i:  r_i - G_b = (r_i - e_j) + (e_j - G_b), both <= 0 (e_j - G_b >= -80)
+
+so every factor is either <= 1 (a decay: underflow to 0 is harmless, the true product is even smaller) or
+<= e^80, and ``Akk_ij = (k_i e^{G_i - r_i}) (k_j e^{r_i - G_j})^T`` (strict lower on i = j), likewise
+``Aqk_ij`` with s q_i, are plain 16x16 dots: no [C, C, K] tensor. The remaining factors are G <= 0
+(``k e^G``, ``s q e^G``) and G_last - G <= 0 (``kd``): safe. The UT system (I + diag(beta) Akk) y = diag(beta)
+rhs is block lower triangular; it is solved by block forward substitution
+``y_i = X_ii diag(beta_i) (rhs_i - sum_{j<i} Akk_ij y_j)`` with X_ii = (I + diag(beta_i) Akk_ii)^-1 from the
+16x16 forward substitution, for rhs = k e^G (giving w) and rhs = v (giving u0). All of this is independent
+of the state and runs in ``_kda_chunk64_prep_kernel``, parallel over (chunk, head); it writes w, qg = s q e^G
+(q.dtype), kd = k e^{G_last - G}, Aqk, u0 (fp32) and G_last. ``_kda_chunk64_state_kernel`` (sequential over
+chunks per (sequence, head, V-block)) then only does u = u0 - w S, o = qg S + Aqk u,
+S <- e^{G_last} S + kd^T u. Chunks never cross a sequence boundary (per-sequence chunk indices, the last
+chunk of a sequence partial and masked). Precision of the buffers and dots: see ``_chunk64_fwd``.
+
+Backward: :func:`chunk_kda` is a ``torch.autograd.Function``. Its backward redoes the cheap elementwise
+preprocessing (gate, beta sigmoid, q/k L2 norm) in torch under autograd, runs the Triton core backward of
+``triton_chunk_bwd.py`` (derivation in its docstring) for dq, dk, dv, dg, dbeta, dh0 of the post-activation
+inputs, and chains those through the preprocessing to q, k, v, g or (z, A_log, dt_bias), beta, initial_state.
+``_ChunkKDAFunction.backward_impl = "reference"`` (or env ``K3_KDA_CHUNK_BACKWARD=reference`` at import)
+selects the old path instead: recompute the forward with the fp32 torch reference under autograd.
 
 Triton is imported lazily by whoever imports this module (``k3_kernels.kda`` does not import it).
 """
@@ -212,6 +239,303 @@ def _kda_chunk_prep_kernel(
     tl.store(u_buf + p_v, u0.to(u_buf.dtype.element_ty), mask=m_qk)
 
 
+# --------------------------------------------------------------------------- #
+# 64-token chunks built from four bounded 16-token sub-tiles (chunk_size=64)
+# --------------------------------------------------------------------------- #
+_BT64 = 64  # chunk of the 64-token path
+_BS = 16  # sub-tile: 16 steps of log decay >= -5 each span at most 80, so e^{+-80} stays a normal fp32/bf16
+
+
+@triton.jit
+def _tf32_round(x):
+    # Round-to-nearest (ties away) to tf32's 10-bit mantissa, as cvt.rna.tf32.f32 does: lets the CPU
+    # interpreter (which computes every dot in fp32) reproduce the numerics of a tf32 dot (a GPU path that
+    # truncates instead would have at most twice this rounding error).
+    xi = x.to(tl.int32, bitcast=True)
+    xi = (xi + 0x1000) & -8192  # -8192 = 0xFFFFE000: keep sign, exponent, 10 mantissa bits
+    return xi.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mm64(a, b, MODE: tl.constexpr):
+    # MODE 0..3 as in _mm; 4: tf32 emulated for the CPU interpreter (operands rounded to tf32, fp32 dot).
+    if MODE == 4:
+        return tl.dot(_tf32_round(a.to(tl.float32)), _tf32_round(b.to(tl.float32)), input_precision="ieee")
+    elif MODE == 3:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
+    elif MODE == 0:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return _mm(a, b, MODE)
+
+
+@triton.jit
+def _sub_tile(q, k, g, beta, bos, L, t0, i_h, a_h, bias, lower_bound, scale, carry,
+              H: tl.constexpr, K: tl.constexpr, BS: tl.constexpr,
+              USE_GATE: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, USE_L2NORM: tl.constexpr):
+    """Load one 16-token sub-tile starting at position t0 of the sequence.
+
+    Returns scaled q, k [BS, K] (L2-normalised if asked), G [BS, K] = cumulative log decay from the chunk
+    start (``carry`` = G at the end of the previous sub-tile), e [K] = G at the sub-tile's last row, beta [BS],
+    rows [BS] (flat token index) and the row mask. Rows past the sequence end load as q = k = 0, g = 0,
+    beta = 0: they change neither the state nor the decay.
+    """
+    o_s = tl.arange(0, BS)
+    o_k = tl.arange(0, K)
+    pos = t0 + o_s
+    m_t = pos < L
+    rows = bos + pos
+    p_qk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+    m_qk = m_t[:, None]
+    b_q = tl.load(q + p_qk, mask=m_qk, other=0.0).to(tl.float32)
+    b_k = tl.load(k + p_qk, mask=m_qk, other=0.0).to(tl.float32)
+    b_g = tl.load(g + p_qk, mask=m_qk, other=0.0).to(tl.float32)
+    if USE_GATE:
+        b_g = tl.where(m_qk, lower_bound * tl.sigmoid(a_h * (b_g + bias[None, :])), 0.0)
+    b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    if USE_BETA_SIGMOID:
+        b_beta = tl.where(m_t, tl.sigmoid(b_beta), 0.0)
+    if USE_L2NORM:
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)[:, None]
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
+    G = tl.cumsum(b_g, axis=0) + carry[None, :]
+    e = tl.sum(tl.where(o_s[:, None] == BS - 1, G, 0.0), axis=0)
+    return b_q * scale, b_k, G, e, b_beta, rows, m_t
+
+
+@triton.jit
+def _inv_unit_lower(M, BS: tl.constexpr):
+    # X = (I - M)^-1 for strictly lower M [BS, BS] by forward substitution (row i = e_i + sum_{j<i} M_ij X_j);
+    # see the fused 16-token kernel for why not the nilpotent product.
+    o_s = tl.arange(0, BS)
+    X = tl.where(o_s[:, None] == o_s[None, :], 1.0, 0.0)
+    for i in tl.static_range(1, BS):
+        m_i = tl.sum(tl.where(o_s[:, None] == i, M, 0.0), axis=0)
+        x_i = tl.sum(m_i[:, None] * X, axis=0) + tl.where(o_s == i, 1.0, 0.0)
+        X = tl.where(o_s[:, None] == i, x_i[None, :], X)
+    return X
+
+
+@triton.jit
+def _store_rows(ptr, rows, m_t, i_h, x, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, COL0: tl.constexpr,
+                W: tl.constexpr):
+    # x [BS, W] -> ptr[(rows * H + i_h) * D + COL0 + (0..W)], rows past the sequence end skipped
+    o_w = tl.arange(0, W)
+    p = (rows[:, None] * H + i_h) * D + COL0 + o_w[None, :]
+    tl.store(ptr + p, x.to(ptr.dtype.element_ty), mask=m_t[:, None])
+
+
+@triton.jit
+def _kda_chunk64_prep_kernel(
+    q, k, v, g, beta, cu_seqlens, chunk_indices, A_log, dt_bias,
+    w_buf, u_buf, qg_buf, kd_buf, A_buf, gl_buf, scale, lower_bound, T, NT,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BS: tl.constexpr, IS_VARLEN: tl.constexpr,
+    USE_GATE: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, USE_L2NORM: tl.constexpr,
+    DOT_BF16: tl.constexpr, WU_DOT: tl.constexpr,
+):
+    """Per (64-token chunk, head), fully parallel: everything the state loop needs that does not depend on S.
+
+    Sub-tile i (rows 16i..16i+15) uses the reference r_i = e_{i-1} (G at the end of sub-tile i-1, r_0 = 0):
+    left factors x_a e^{G_a - r_i} (exponent in [-80, 0]), right factors k_b e^{r_i - G_b}: in [0, 80] on the
+    diagonal sub-tile, <= 0 below it, built as kt_j e^{r_i - e_j} with kt_j = k_j e^{e_j - G_j} (exponent in
+    [-80, 0]). So every exp is either <= 1 (a decay, underflow to 0 harmless) or <= e^80 (finite).
+    Writes w, u0 = X diag(beta) (k e^G | v) by block forward substitution, qg = s q e^G, kd = k e^{G_last - G},
+    Aqk [64 rows, 64 cols] (causal, upper blocks zero) and G_last [K].
+    """
+    i_c = tl.program_id(0)  # global chunk index (sequence-major)
+    i_h = tl.program_id(1)
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + 2 * i_c)
+        i_t = tl.load(chunk_indices + 2 * i_c + 1)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:  # B sequences of length T, NT chunks each
+        i_n = i_c // NT
+        i_t = i_c % NT
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+    L = eos - bos
+    t0 = i_t * (4 * BS)
+    o_s = tl.arange(0, BS)
+    o_k = tl.arange(0, K)
+    o_v = tl.arange(0, V)
+    strict = o_s[:, None] > o_s[None, :]
+    causal = o_s[:, None] >= o_s[None, :]
+    zk = tl.zeros([K], dtype=tl.float32)
+    z16 = tl.zeros([BS, BS], dtype=tl.float32)
+    if USE_GATE:
+        a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        bias = tl.load(dt_bias + i_h * K + o_k).to(tl.float32)
+    else:
+        a_h = 0.0
+        bias = zk
+
+    # ---- sub-tile 0 (reference r_0 = 0: chunk start)
+    q0, k0, G0, e0, b0, rows0, m0 = _sub_tile(q, k, g, beta, bos, L, t0, i_h, a_h, bias, lower_bound, scale, zk,
+                                              H, K, BS, USE_GATE, USE_BETA_SIGMOID, USE_L2NORM)
+    kg = k0 * tl.exp(G0)
+    qg = q0 * tl.exp(G0)
+    R = k0 * tl.exp(-G0)
+    A00 = tl.where(strict, _mm(kg, tl.trans(R), DOT_BF16), 0.0)
+    Q00 = tl.where(causal, _mm(qg, tl.trans(R), DOT_BF16), 0.0)
+    _store_rows(qg_buf, rows0, m0, i_h, qg, H, K, BS, 0, K)
+    _store_rows(A_buf, rows0, m0, i_h, Q00, H, 4 * BS, BS, 0, BS)
+    _store_rows(A_buf, rows0, m0, i_h, z16, H, 4 * BS, BS, BS, BS)
+    _store_rows(A_buf, rows0, m0, i_h, z16, H, 4 * BS, BS, 2 * BS, BS)
+    _store_rows(A_buf, rows0, m0, i_h, z16, H, 4 * BS, BS, 3 * BS, BS)
+    X0 = _inv_unit_lower(-b0[:, None] * A00, BS)
+    w0 = _mm64(X0, b0[:, None] * kg, WU_DOT)  # [BS, K]
+    _store_rows(w_buf, rows0, m0, i_h, w0, H, K, BS, 0, K)
+    kt0 = k0 * tl.exp(e0[None, :] - G0)
+
+    # ---- sub-tile 1 (reference r_1 = e0)
+    q1, k1, G1, e1, b1, rows1, m1 = _sub_tile(q, k, g, beta, bos, L, t0 + BS, i_h, a_h, bias, lower_bound, scale,
+                                              e0, H, K, BS, USE_GATE, USE_BETA_SIGMOID, USE_L2NORM)
+    lk = k1 * tl.exp(G1 - e0[None, :])
+    lq = q1 * tl.exp(G1 - e0[None, :])
+    R = k1 * tl.exp(e0[None, :] - G1)
+    A10 = _mm(lk, tl.trans(kt0), DOT_BF16)
+    Q10 = _mm(lq, tl.trans(kt0), DOT_BF16)
+    A11 = tl.where(strict, _mm(lk, tl.trans(R), DOT_BF16), 0.0)
+    Q11 = tl.where(causal, _mm(lq, tl.trans(R), DOT_BF16), 0.0)
+    _store_rows(qg_buf, rows1, m1, i_h, q1 * tl.exp(G1), H, K, BS, 0, K)
+    _store_rows(A_buf, rows1, m1, i_h, Q10, H, 4 * BS, BS, 0, BS)
+    _store_rows(A_buf, rows1, m1, i_h, Q11, H, 4 * BS, BS, BS, BS)
+    _store_rows(A_buf, rows1, m1, i_h, z16, H, 4 * BS, BS, 2 * BS, BS)
+    _store_rows(A_buf, rows1, m1, i_h, z16, H, 4 * BS, BS, 3 * BS, BS)
+    # (I + diag(b) A) y = diag(b) rhs, block row 1: y_1 = X_11 diag(b_1) (rhs_1 - A_10 y_0)
+    X1 = _inv_unit_lower(-b1[:, None] * A11, BS)
+    w1 = _mm64(X1, b1[:, None] * (k1 * tl.exp(G1) - _mm64(A10, w0, WU_DOT)), WU_DOT)
+    _store_rows(w_buf, rows1, m1, i_h, w1, H, K, BS, 0, K)
+    kt1 = k1 * tl.exp(e1[None, :] - G1)
+
+    # ---- sub-tile 2 (reference r_2 = e1)
+    q2, k2, G2, e2, b2, rows2, m2 = _sub_tile(q, k, g, beta, bos, L, t0 + 2 * BS, i_h, a_h, bias, lower_bound,
+                                              scale, e1, H, K, BS, USE_GATE, USE_BETA_SIGMOID, USE_L2NORM)
+    lk = k2 * tl.exp(G2 - e1[None, :])
+    lq = q2 * tl.exp(G2 - e1[None, :])
+    R = kt0 * tl.exp(e1 - e0)[None, :]
+    A20 = _mm(lk, tl.trans(R), DOT_BF16)
+    Q20 = _mm(lq, tl.trans(R), DOT_BF16)
+    A21 = _mm(lk, tl.trans(kt1), DOT_BF16)
+    Q21 = _mm(lq, tl.trans(kt1), DOT_BF16)
+    R = k2 * tl.exp(e1[None, :] - G2)
+    A22 = tl.where(strict, _mm(lk, tl.trans(R), DOT_BF16), 0.0)
+    Q22 = tl.where(causal, _mm(lq, tl.trans(R), DOT_BF16), 0.0)
+    _store_rows(qg_buf, rows2, m2, i_h, q2 * tl.exp(G2), H, K, BS, 0, K)
+    _store_rows(A_buf, rows2, m2, i_h, Q20, H, 4 * BS, BS, 0, BS)
+    _store_rows(A_buf, rows2, m2, i_h, Q21, H, 4 * BS, BS, BS, BS)
+    _store_rows(A_buf, rows2, m2, i_h, Q22, H, 4 * BS, BS, 2 * BS, BS)
+    _store_rows(A_buf, rows2, m2, i_h, z16, H, 4 * BS, BS, 3 * BS, BS)
+    X2 = _inv_unit_lower(-b2[:, None] * A22, BS)
+    w2 = _mm64(X2, b2[:, None] * (k2 * tl.exp(G2) - _mm64(A20, w0, WU_DOT) - _mm64(A21, w1, WU_DOT)), WU_DOT)
+    _store_rows(w_buf, rows2, m2, i_h, w2, H, K, BS, 0, K)
+    kt2 = k2 * tl.exp(e2[None, :] - G2)
+
+    # ---- sub-tile 3 (reference r_3 = e2)
+    q3, k3, G3, e3, b3, rows3, m3 = _sub_tile(q, k, g, beta, bos, L, t0 + 3 * BS, i_h, a_h, bias, lower_bound,
+                                              scale, e2, H, K, BS, USE_GATE, USE_BETA_SIGMOID, USE_L2NORM)
+    lk = k3 * tl.exp(G3 - e2[None, :])
+    lq = q3 * tl.exp(G3 - e2[None, :])
+    R = kt0 * tl.exp(e2 - e0)[None, :]
+    A30 = _mm(lk, tl.trans(R), DOT_BF16)
+    Q30 = _mm(lq, tl.trans(R), DOT_BF16)
+    R = kt1 * tl.exp(e2 - e1)[None, :]
+    A31 = _mm(lk, tl.trans(R), DOT_BF16)
+    Q31 = _mm(lq, tl.trans(R), DOT_BF16)
+    A32 = _mm(lk, tl.trans(kt2), DOT_BF16)
+    Q32 = _mm(lq, tl.trans(kt2), DOT_BF16)
+    R = k3 * tl.exp(e2[None, :] - G3)
+    A33 = tl.where(strict, _mm(lk, tl.trans(R), DOT_BF16), 0.0)
+    Q33 = tl.where(causal, _mm(lq, tl.trans(R), DOT_BF16), 0.0)
+    _store_rows(qg_buf, rows3, m3, i_h, q3 * tl.exp(G3), H, K, BS, 0, K)
+    _store_rows(A_buf, rows3, m3, i_h, Q30, H, 4 * BS, BS, 0, BS)
+    _store_rows(A_buf, rows3, m3, i_h, Q31, H, 4 * BS, BS, BS, BS)
+    _store_rows(A_buf, rows3, m3, i_h, Q32, H, 4 * BS, BS, 2 * BS, BS)
+    _store_rows(A_buf, rows3, m3, i_h, Q33, H, 4 * BS, BS, 3 * BS, BS)
+    X3 = _inv_unit_lower(-b3[:, None] * A33, BS)
+    w3 = _mm64(X3, b3[:, None] * (k3 * tl.exp(G3) - _mm64(A30, w0, WU_DOT) - _mm64(A31, w1, WU_DOT)
+                                  - _mm64(A32, w2, WU_DOT)), WU_DOT)
+    _store_rows(w_buf, rows3, m3, i_h, w3, H, K, BS, 0, K)
+
+    # ---- kd_j = k_j e^{G_last - G_j} = kt_j e^{e3 - e_j} (both exponents <= 0), and G_last = e3
+    _store_rows(kd_buf, rows0, m0, i_h, kt0 * tl.exp(e3 - e0)[None, :], H, K, BS, 0, K)
+    _store_rows(kd_buf, rows1, m1, i_h, kt1 * tl.exp(e3 - e1)[None, :], H, K, BS, 0, K)
+    _store_rows(kd_buf, rows2, m2, i_h, kt2 * tl.exp(e3 - e2)[None, :], H, K, BS, 0, K)
+    _store_rows(kd_buf, rows3, m3, i_h, k3 * tl.exp(e3[None, :] - G3), H, K, BS, 0, K)
+    tl.store(gl_buf + (i_c * H + i_h).to(tl.int64) * K + o_k, e3)
+
+    # ---- second pass, u0 = same block forward substitution with rhs = v; done after w so that the [16, V]
+    # tiles are not live together with the [16, K] ones (register pressure at K = V = 128)
+    v0 = tl.load(v + (rows0[:, None] * H + i_h) * V + o_v[None, :], mask=m0[:, None], other=0.0).to(tl.float32)
+    u0 = _mm64(X0, b0[:, None] * v0, WU_DOT)  # [BS, V]
+    _store_rows(u_buf, rows0, m0, i_h, u0, H, V, BS, 0, V)
+    v1 = tl.load(v + (rows1[:, None] * H + i_h) * V + o_v[None, :], mask=m1[:, None], other=0.0).to(tl.float32)
+    u1 = _mm64(X1, b1[:, None] * (v1 - _mm64(A10, u0, WU_DOT)), WU_DOT)
+    _store_rows(u_buf, rows1, m1, i_h, u1, H, V, BS, 0, V)
+    v2 = tl.load(v + (rows2[:, None] * H + i_h) * V + o_v[None, :], mask=m2[:, None], other=0.0).to(tl.float32)
+    u2 = _mm64(X2, b2[:, None] * (v2 - _mm64(A20, u0, WU_DOT) - _mm64(A21, u1, WU_DOT)), WU_DOT)
+    _store_rows(u_buf, rows2, m2, i_h, u2, H, V, BS, 0, V)
+    v3 = tl.load(v + (rows3[:, None] * H + i_h) * V + o_v[None, :], mask=m3[:, None], other=0.0).to(tl.float32)
+    u3 = _mm64(X3, b3[:, None] * (v3 - _mm64(A30, u0, WU_DOT) - _mm64(A31, u1, WU_DOT) - _mm64(A32, u2, WU_DOT)),
+               WU_DOT)
+    _store_rows(u_buf, rows3, m3, i_h, u3, H, V, BS, 0, V)
+
+
+@triton.jit
+def _kda_chunk64_state_kernel(
+    w_buf, u_buf, qg_buf, kd_buf, A_buf, gl_buf, o, h0, ht, cu_seqlens, chunk_offsets, T, NT,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr, STATE_DOT: tl.constexpr,
+):
+    """Per (sequence, head, V-block), sequential over 64-token chunks: only the products with the state.
+
+    u = u0 - w S;  o = qg S + Aqk u;  S <- e^{G_last} S + kd^T u   (dots [64, K] x [K, BV], [K, 64] x [64, BV]).
+    The loads of a chunk do not depend on S, so the compiler's software pipelining (num_stages) can prefetch.
+    """
+    i_n = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)  # first global chunk of this sequence
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+        c0 = i_n.to(tl.int64) * NT
+    L = eos - bos
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    causal = o_t[:, None] >= o_t[None, :]
+    p_state = ((i_n * H + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
+    if USE_H0:
+        S = tl.load(h0 + p_state).to(tl.float32)
+    else:
+        S = tl.zeros([K, BV], dtype=tl.float32)
+    for i_t in range(0, tl.cdiv(L, BT)):
+        pos = i_t * BT + o_t
+        m_t = pos < L
+        rows = bos + pos
+        p_k = (rows[:, None] * H + i_h) * K + o_k[None, :]
+        p_v = (rows[:, None] * H + i_h) * V + o_v[None, :]
+        m2 = m_t[:, None]
+        b_w = tl.load(w_buf + p_k, mask=m2, other=0.0)
+        b_qg = tl.load(qg_buf + p_k, mask=m2, other=0.0)
+        b_kd = tl.load(kd_buf + p_k, mask=m2, other=0.0)
+        b_A = tl.load(A_buf + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=m2, other=0.0)
+        b_A = tl.where(causal, b_A, 0.0)
+        b_u = tl.load(u_buf + p_v, mask=m2, other=0.0)
+        b_gl = tl.load(gl_buf + ((c0 + i_t) * H + i_h) * K + o_k)
+        b_u = b_u - _mm64(b_w, S, STATE_DOT)  # [BT, BV]
+        b_o = _mm64(b_qg, S, STATE_DOT) + _mm64(b_A, b_u, STATE_DOT)
+        tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m2)
+        S = S * tl.exp(b_gl)[:, None] + _mm64(tl.trans(b_kd), b_u, STATE_DOT)
+    if STORE_FINAL:
+        tl.store(ht + p_state, S)
+
+
 def _is_pow2(n: int) -> bool:
     return n >= 16 and (n & (n - 1)) == 0
 
@@ -219,16 +543,31 @@ def _is_pow2(n: int) -> bool:
 def chunk_kda_fwd(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=-5.0,
-    use_beta_sigmoid_in_kernel=False, out=None, block_v=None, num_warps=4, split=False,
+    use_beta_sigmoid_in_kernel=False, out=None, block_v=None, num_warps=4, split=True, chunk_size=16,
+    num_stages=None, prep_num_warps=None, state_dot=None, lowp_buffers=False,
 ):
     """Forward only (no autograd). ``out`` (optional, [B, T, H, V], v.dtype) receives the output.
 
-    ``split=True``: w, u0 are first computed for all chunks in parallel (``_kda_chunk_prep_kernel``; w in
-    q.dtype, u0 in fp32 because bf16 u0 cost ~6e-3 relative error in the final state; ~1.5 KB per token-head
-    of extra traffic at K = V = 128), then the sequential kernel only does the state products;
-    ``split=False`` (default) computes them inside the sequential loop. Which is faster on an H200 is
-    measured by benchmarks/kda_chunk.py (not yet run).
+    ``chunk_size=64``: the two-kernel 64-token path (``_kda_chunk64_prep_kernel`` parallel over
+    (chunk, head), then ``_kda_chunk64_state_kernel`` sequential over chunks; ``split`` is ignored).
+    ``num_warps`` / ``num_stages`` tune the sequential kernel (default num_stages 2, falling back to 1 when
+    shared memory is short), ``prep_num_warps`` the prep kernel (default 8 when K or V >= 128, else 4: its
+    [16, K] tiles would otherwise spill registers).
+    ``state_dot`` (bf16 inputs only): "tf32" (default) or "bf16" operands for the products against the
+    fp32 state; fp32 inputs always use exact fp32 dots. ``lowp_buffers=True`` (bf16 inputs) also stores the
+    kd and Aqk intermediates in q.dtype (~0.75 KB less HBM traffic per token-head at K = 128, written once
+    and read at least once; at a precision cost: see ``_chunk64_fwd``).
+
+    ``chunk_size=16`` with ``split=True`` (the default, the fastest measured on the H200: BENCHMARKS.md): the
+    16-token kernel. ``split=True``: w, u0 are first computed for all chunks in
+    parallel (``_kda_chunk_prep_kernel``; w in q.dtype, u0 in fp32 because bf16 u0 cost ~6e-3 relative error
+    in the final state; ~1.5 KB per token-head of extra traffic at K = V = 128), then the sequential kernel
+    only does the state products; ``split=False`` computes them inside the sequential loop.
     """
+    if chunk_size not in (16, 64):
+        raise ValueError(f"chunk_size must be 16 or 64, got {chunk_size}")
+    if state_dot not in (None, "tf32", "bf16"):
+        raise ValueError(f"state_dot must be None, 'tf32' or 'bf16', got {state_dot!r}")
     B, T, H, K, V, N = _ref._validate(q, k, v, g, beta, initial_state, cu_seqlens)
     if not (_is_pow2(K) and _is_pow2(V)):
         raise ValueError(f"K and V must be powers of two >= 16 for the Triton kernel, got K={K}, V={V}")
@@ -267,6 +606,12 @@ def chunk_kda_fwd(
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous() if cu_seqlens is not None else None
     dot_mode = 0 if q.dtype != torch.bfloat16 else 2 if os.environ.get("TRITON_INTERPRET") == "1" else 1
     gate_args = (A_log.contiguous(), dt_bias.contiguous()) if use_gate_in_kernel else (dummy, dummy)
+    if chunk_size == 64:
+        _chunk64_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, float(scale), float(lower_bound),
+                     (B, T, H, K, V, N), BV, dot_mode, num_warps, num_stages, prep_num_warps, state_dot,
+                     bool(lowp_buffers),
+                     (bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel), bool(use_qk_l2norm_in_kernel)))
+        return out, ht
     w_buf = u_buf = dummy
     if split and T > 0:
         if cu is not None:
@@ -303,6 +648,85 @@ def chunk_kda_fwd(
     return out, ht
 
 
+def _chunk64_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, lower_bound, dims, BV, dot_mode,
+                 num_warps, num_stages, prep_num_warps, state_dot, lowp_buffers, flags):
+    """Launch the 64-token path: prep (parallel over chunk x head) then the state loop (sequence x head x V)."""
+    B, T, H, K, V, N = dims
+    use_gate, use_bsig, use_l2 = flags
+    dev = q.device
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    # Chunks never cross a sequence boundary; a sequence's last chunk may be partial (masked).
+    if cu_seqlens is not None:
+        # chunk_indices [NT_total, 2] = (sequence, 64-chunk within it), sequence-major;
+        # chunk_offsets[n] = first global chunk of sequence n. (Host sync: cu_seqlens is read on the host.)
+        cs = [int(c) for c in cu_seqlens.tolist()]
+        nts = [triton.cdiv(cs[n + 1] - cs[n], _BT64) for n in range(N)]
+        idx = [(n, c) for n in range(N) for c in range(nts[n])]
+        offs = [0]
+        for nt in nts:
+            offs.append(offs[-1] + nt)
+        n_chunks, NT = len(idx), 0
+        cu_all = cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
+        chunk_offsets = torch.tensor(offs, dtype=torch.int32, device=dev)
+        chunk_indices = torch.tensor(idx, dtype=torch.int32).reshape(-1, 2).to(dev)
+    else:
+        # B sequences of T tokens: the kernels derive (sequence, chunk) from the program id (no host sync,
+        # nothing allocated from host data: CUDA-graph capturable)
+        NT = triton.cdiv(T, _BT64)
+        n_chunks = B * NT
+        cu_all = chunk_offsets = chunk_indices = q  # unused placeholders
+    # Buffer dtypes, measured under the interpreter with bf16 inputs (tf32 emulated), T = 64 / 200, K = V = 32,
+    # rel err vs the fp32 reference: all in bf16 gave o 1.5e-2 / S 3.8e-3; kd in fp32 brings S to 7e-4 (the
+    # state accumulates kd^T u every chunk), Aqk in fp32 brings o to 8.5e-3 (= the 16-token kernel's error);
+    # w, qg in bf16 changed neither in the digits shown. u0 fp32 (bf16 u0 cost ~6e-3 in S, 16-token split
+    # path). fp32 inputs: everything fp32. G_last fp32 per (chunk, head). lowp_buffers=True: kd and Aqk in
+    # q.dtype too (the "all in bf16" numbers above; fla measured o 5.3e-3 / S 4.0e-3 in the same check).
+    lp = q.dtype if lowp_buffers else torch.float32
+    w_buf = torch.empty(B, T, H, K, dtype=q.dtype, device=dev)
+    qg_buf = torch.empty(B, T, H, K, dtype=q.dtype, device=dev)
+    kd_buf = torch.empty(B, T, H, K, dtype=lp, device=dev)
+    A_buf = torch.empty(B, T, H, _BT64, dtype=lp, device=dev)
+    u_buf = torch.empty(B, T, H, V, dtype=torch.float32, device=dev)
+    gl_buf = torch.empty(max(n_chunks, 1), H, K, dtype=torch.float32, device=dev)
+    bf16 = q.dtype == torch.bfloat16
+    # products inside the prep (A_ij y_j, X_ii rhs): exact fp32 for fp32 inputs, tf32 for bf16 inputs
+    wu_dot = (4 if interp else 3) if bf16 else 0
+    if not bf16:
+        st_dot = 0
+    elif state_dot == "bf16":
+        st_dot = dot_mode
+    else:
+        st_dot = 4 if interp else 3
+    is_varlen = cu_seqlens is not None
+    if n_chunks:
+        _kda_chunk64_prep_kernel[(n_chunks, H)](
+            q, k, v, g, beta, cu_all, chunk_indices, *gate_args,
+            w_buf, u_buf, qg_buf, kd_buf, A_buf, gl_buf, scale, lower_bound, T, NT,
+            H=H, K=K, V=V, BS=_BS, IS_VARLEN=is_varlen, USE_GATE=use_gate, USE_BETA_SIGMOID=use_bsig,
+            USE_L2NORM=use_l2,
+            DOT_BF16=dot_mode, WU_DOT=wu_dot, num_warps=prep_num_warps or (8 if max(K, V) >= 128 else 4),
+        )
+
+    def launch(stages):
+        _kda_chunk64_state_kernel[(N, H, V // BV)](
+            w_buf, u_buf, qg_buf, kd_buf, A_buf, gl_buf, out,
+            h0 if h0 is not None else q, ht if ht is not None else q, cu_all, chunk_offsets, T, NT,
+            H=H, K=K, V=V, BT=_BT64, BV=BV, IS_VARLEN=is_varlen, USE_H0=h0 is not None,
+            STORE_FINAL=ht is not None, STATE_DOT=st_dot,
+            num_warps=num_warps, num_stages=stages,
+        )
+
+    if num_stages is not None:
+        launch(num_stages)
+        return
+    # Default: double-buffer the chunk loads (~90 KB a stage at K = 128, BV = 32); if that does not fit in
+    # shared memory for this shape, fall back to no pipelining rather than fail.
+    try:
+        launch(2)
+    except triton.runtime.errors.OutOfResources:
+        launch(1)
+
+
 def _reference_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, flags):
     """fp32 torch reference with the same flags; differentiable (used for backward)."""
     use_l2, use_gate, use_bsig, lower_bound = flags
@@ -331,8 +755,19 @@ class _ChunkKDAFunction(torch.autograd.Function):
         ctx.cu_seqlens, ctx.scale, ctx.flags = cu_seqlens, scale, flags
         return o, ht
 
+    # "triton": Triton core backward (triton_chunk_bwd.py), elementwise preprocessing by autograd;
+    # "reference": recompute with the fp32 torch reference under autograd (slow, kept for comparison).
+    backward_impl = os.environ.get("K3_KDA_CHUNK_BACKWARD", "triton")
+    # extra keyword arguments of triton_chunk_bwd.chunk_kda_bwd (state_dtype, block_v, num_warps, ...)
+    bwd_options: dict = {}
+
     @staticmethod
     def backward(ctx, do, dht):
+        impl = _ChunkKDAFunction.backward_impl
+        if impl == "triton":
+            return _ChunkKDAFunction._backward_triton(ctx, do, dht)
+        if impl != "reference":
+            raise ValueError(f"_ChunkKDAFunction.backward_impl must be 'triton' or 'reference', got {impl!r}")
         saved = ctx.saved_tensors
         needs = ctx.needs_input_grad[:8]
         with torch.enable_grad():
@@ -349,6 +784,40 @@ class _ChunkKDAFunction(torch.autograd.Function):
             got = torch.autograd.grad(outs, wrt, grads, allow_unused=True) if wrt else []
         it = iter(got)
         result = [next(it) if (t is not None and t.requires_grad) else None for t in inputs]
+        result = [r if r is None or s is None else r.to(s.dtype) for r, s in zip(result, saved)]
+        return (*result, None, None, None)
+
+    @staticmethod
+    def _backward_triton(ctx, do, dht):
+        from .triton_chunk_bwd import chunk_kda_bwd
+
+        saved = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:8]
+        use_l2, use_gate, use_bsig, lower_bound = ctx.flags
+        with torch.enable_grad():
+            inputs = [
+                None if t is None else t.detach().requires_grad_(bool(n) and t.is_floating_point())
+                for t, n in zip(saved, needs)
+            ]
+            q, k, v, g, beta, A_log, dt_bias, h0 = inputs
+            # the cheap elementwise preprocessing, redone under autograd; the core sees its outputs
+            qq, kk = (_ref.l2norm(q), _ref.l2norm(k)) if use_l2 else (q, k)
+            gg = _ref.kda_gate(g, A_log, dt_bias, lower_bound=lower_bound) if use_gate else g
+            bb = torch.sigmoid(beta.float()) if use_bsig else beta
+        dq, dk, dv, dg, db, dh0 = chunk_kda_bwd(
+            qq.detach(), kk.detach(), v.detach(), gg.detach().float(), bb.detach(), do,
+            scale=ctx.scale, initial_state=None if h0 is None else h0.detach(), dht=dht, cu_seqlens=ctx.cu_seqlens,
+            **_ChunkKDAFunction.bwd_options,
+        )
+        pre = [(t, d.to(t.dtype)) for t, d in ((qq, dq), (kk, dk), (gg, dg), (bb, db)) if t.requires_grad]
+        wrt = [t for t in (q, k, g, beta, A_log, dt_bias) if t is not None and t.requires_grad]
+        got = iter(torch.autograd.grad([p[0] for p in pre], wrt, [p[1] for p in pre], allow_unused=True)
+                   if wrt and pre else [])
+        result = [next(got) if (t is not None and t.requires_grad) else None for t in (q, k, g, beta, A_log, dt_bias)]
+        rq, rk, rg, rbeta, rA, rdt = result
+        rv = dv if v.requires_grad else None
+        rh0 = dh0 if (h0 is not None and h0.requires_grad) else None
+        result = [rq, rk, rv, rg, rbeta, rA, rdt, rh0]
         result = [r if r is None or s is None else r.to(s.dtype) for r, s in zip(result, saved)]
         return (*result, None, None, None)
 
@@ -377,7 +846,9 @@ def chunk_kda(
     A_log [>= H], dt_bias [H*K]); beta: [B, T, H] (raw logits when ``use_beta_sigmoid_in_kernel``).
     initial_state: [N, H, K, V]. Returns (o [B, T, H, V] in v.dtype, final_state fp32 [N, H, K, V] or None).
 
-    Backward: recomputes the forward with the fp32 torch reference under autograd (no Triton backward yet).
+    Forward: :func:`chunk_kda_fwd` with its defaults (16-token split kernel). Backward: the Triton core backward
+    of ``triton_chunk_bwd`` (the elementwise gate / beta / L2-norm preprocessing is differentiated by torch); the
+    fp32 reference recompute is kept selectable (see the module docstring).
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5

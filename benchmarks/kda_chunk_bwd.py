@@ -1,0 +1,189 @@
+"""KDA prefill forward + backward on one GPU: our Triton chunk kernels vs fla's `chunk_kda`, same inputs/flags.
+
+Shapes: B = 1, H = 96, K = V = 128, bf16 q/k/v/z/beta, fp32 A_log/dt_bias and h0; T = 8K and 32K. Both run
+with the in-kernel gate (`lower_bound * sigmoid(exp(A_log) * (z + dt_bias))`, lower_bound = -5), in-kernel
+beta sigmoid and q/k L2 norm. Our forward is `triton_chunk.chunk_kda_fwd`, our backward the Triton core of
+`kernels/kda/triton_chunk_bwd.py` (per-chunk states stored in fp32, and in bf16 as a second row).
+
+First a gradient-agreement check at a small shape: every gradient (q, k, v, z, beta logits, A_log, dt_bias,
+h0) of ours and of fla against autograd through the fp32 torch reference (rel_err = max|a - b| / max|b|).
+Timing: `triton.testing.do_bench` median of forward + backward (loss <o, do> + <S_T, dS>).
+
+    pip install -e . && python benchmarks/kda_chunk_bwd.py       # fla's first call autotunes for minutes
+    python benchmarks/kda_chunk_bwd.py --no-fla
+    TRITON_INTERPRET=1 python benchmarks/kda_chunk_bwd.py --check-only --device cpu --no-fla   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+
+from k3_kernels.kda import reference as R
+from k3_kernels.kda import triton_chunk as TC
+
+H, K, V = 96, 128, 128
+DEV = "cuda"
+FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
+NAMES = ("q", "k", "v", "z", "beta", "A_log", "dt_bias", "h0")
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+def inputs(T, H=H, K=K, V=V, seed=0, N=1):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    dev = dict(device=DEV, generator=gen)
+    x = [
+        torch.randn(1, T, H, K, **dev).bfloat16(),  # q
+        torch.randn(1, T, H, K, **dev).bfloat16(),  # k
+        torch.randn(1, T, H, V, **dev).bfloat16(),  # v
+        torch.randn(1, T, H, K, **dev).bfloat16(),  # z (raw gate input)
+        torch.randn(1, T, H, **dev).bfloat16(),  # beta logits
+        torch.randn(H, **dev) * 0.5,  # A_log
+        torch.randn(H * K, **dev) * 0.5,  # dt_bias
+        torch.randn(N, H, K, V, **dev) * 0.1,  # h0
+    ]
+    return [t.requires_grad_() for t in x]
+
+
+def ours(q, k, v, z, beta, A_log, dt_bias, h0=None, cu=None):
+    return TC.chunk_kda(q, k, v, z, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                        A_log=A_log, dt_bias=dt_bias, **FLAGS)
+
+
+def fla_fn():
+    try:
+        from fla.ops.kda import chunk_kda as fla_chunk
+    except ImportError:
+        return None
+
+    def run(q, k, v, z, beta, A_log, dt_bias, h0=None, cu=None):
+        return fla_chunk(q, k, v, z, beta, initial_state=h0, output_final_state=True,
+                         cu_seqlens=None if cu is None else cu.long(), A_log=A_log, dt_bias=dt_bias,
+                         safe_gate=True, **FLAGS)
+
+    return run
+
+
+def reference(q, k, v, z, beta, A_log, dt_bias, h0=None, cu=None):
+    g = R.kda_gate(z, A_log, dt_bias, lower_bound=-5.0)
+    return R.chunk_kda(q.float(), k.float(), v.float(), g, torch.sigmoid(beta.float()), initial_state=h0,
+                       output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, chunk_size=16)
+
+
+def grads(fn, x, do, dS, cu=None):
+    o, S = fn(*x, cu=cu)
+    return torch.autograd.grad([o, S], x, [do.to(o.dtype), dS], allow_unused=True)
+
+
+def check(fla, small):
+    print("## gradient agreement (small shape, rel_err vs autograd through the fp32 torch reference)\n")
+    h, d = (2, 16) if small else (4, K)
+    ok = True
+    for T, cu in ((100 if small else 300, None), (100 if small else 300, [0, 5, 37, 60, 100] if small else
+                                                  [0, 5, 77, 150, 300])):
+        N = 1 if cu is None else len(cu) - 1
+        x = inputs(T, H=h, K=d, V=d, N=N, seed=1)
+        cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=DEV)
+        gen = torch.Generator(device=DEV).manual_seed(2)
+        do = torch.randn(1, T, h, d, device=DEV, generator=gen)
+        dS = torch.randn(N, h, d, d, device=DEV, generator=gen)
+        want = grads(reference, x, do, dS, cu_t)
+        rows = [("ours", grads(ours, x, do, dS, cu_t))]
+        if fla is not None:
+            rows.append(("fla", grads(fla, x, do, dS, cu_t)))
+        print(f"T={T} varlen={cu is not None}\n")
+        print("| impl | " + " | ".join(NAMES) + " |\n|---|" + "---|" * len(NAMES))
+        for name, got in rows:
+            errs = [float("nan") if a is None else rel(a, b) for a, b in zip(got, want)]  # None: no grad
+            print(f"| {name} | " + " | ".join(f"{e:.1e}" for e in errs) + " |")
+            if name == "ours":
+                ok = ok and all(e <= 2e-2 for e in errs)  # NaN (a missing gradient) fails too
+        print()
+    if not ok:
+        raise SystemExit("our gradients disagree with the reference beyond 2e-2: not timing")
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--no-fla", action="store_true", help="skip fla (its first call autotunes for minutes)")
+    ap.add_argument("--check-only", action="store_true", help="only the small-shape gradient check")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--ts", default="8192,32768", help="sequence lengths to time, comma separated")
+    ap.add_argument("--sweep", action="store_true", help="first time block_v x num_warps of our backward, T=8K")
+    args = ap.parse_args()
+    global DEV
+    DEV = args.device
+    fla = None if args.no_fla else fla_fn()
+    gpu = torch.cuda.get_device_name() if DEV == "cuda" else DEV
+    print(f"GPU {gpu}, torch {torch.__version__}, triton {triton.__version__}\n")
+    check(fla, small=DEV != "cuda")
+    if args.check_only:
+        return
+
+    if args.sweep:
+        print("## sweep of our backward kernels' tiling, forward + backward ms at T=8K (fp32 states)\n")
+        print("| block_v | num_warps | chunk_block_v | chunk_num_warps | ms |\n|---|---|---|---|---|")
+        x = inputs(8192)
+        do = torch.randn(1, 8192, H, V, device=DEV).bfloat16()
+        dS = torch.randn(1, H, K, V, device=DEV)
+        configs = [(bv, nw, 16, 8) for bv in (16, 32, 64) for nw in (4, 8)]  # the sequential kernels
+        configs += [(32, 4, cbv, cw) for cbv, cw in ((16, 4), (32, 8), (32, 4))]  # the per-chunk kernel
+        for bv, nw, cbv, cw in configs:
+            TC._ChunkKDAFunction.bwd_options = dict(block_v=bv, num_warps=nw, chunk_block_v=cbv, chunk_num_warps=cw)
+            try:
+                t = f"{bench(lambda: grads(ours, x, do, dS)):.2f}"
+            except Exception as e:  # e.g. out of registers / shared memory for a config
+                t = f"failed: {type(e).__name__}"
+            print(f"| {bv} | {nw} | {cbv} | {cw} | {t} |")
+        TC._ChunkKDAFunction.bwd_options = {}
+        del x, do
+        print()
+
+    print("## forward + backward, B=1, H=96, K=V=128, bf16, in-kernel gate / beta sigmoid / L2 norm\n")
+    print("| T | ours fwd ms | ours fwd+bwd ms (fp32 states) | ours fwd+bwd ms (bf16 states) | fla fwd ms "
+          "| fla fwd+bwd ms | fla / ours fwd+bwd |")
+    print("|---|---|---|---|---|---|---|")
+    for T in (int(t) for t in args.ts.split(",")):
+        x = inputs(T)
+        do = torch.randn(1, T, H, V, device=DEV).bfloat16()
+        dS = torch.randn(1, H, K, V, device=DEV)
+
+        def fb(fn):
+            o, S = fn(*x)
+            torch.autograd.backward([o, S], [do, dS])
+
+        def fwd(fn):
+            with torch.no_grad():
+                fn(*x)
+
+        t_of = bench(lambda: fwd(ours))
+        times = []
+        for sd in (torch.float32, torch.bfloat16):
+            TC._ChunkKDAFunction.bwd_options = dict(state_dtype=sd)
+            try:
+                times.append(bench(lambda: fb(ours)))
+            except torch.OutOfMemoryError:
+                times.append(float("nan"))
+            torch.cuda.empty_cache()
+        TC._ChunkKDAFunction.bwd_options = {}
+        t_ff = t_fb = float("nan")
+        if fla is not None:
+            fb(fla)  # autotune outside the timing
+            t_ff, t_fb = bench(lambda: fwd(fla)), bench(lambda: fb(fla))
+        best = min(times)
+        print(f"| {T} | {t_of:.2f} | {times[0]:.2f} | {times[1]:.2f} | {t_ff:.2f} | {t_fb:.2f} | {t_fb / best:.2f}x |")
+        del x, do
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,427 @@
+"""Chunked KDA backward in Triton (bounded gate, 16-token tiles), the counterpart of ``triton_chunk``.
+
+The core works on post-activation inputs: q, k (already L2-normalised when that flag is on), v, g = per-step
+fp32 log decay with -5 <= g <= 0, beta in (0, 1), scale, optional h0. The elementwise preprocessing (gate,
+beta sigmoid, L2 norm) is differentiated by torch autograd in ``_ChunkKDAFunction.backward``.
+
+Forward per 16-token chunk, state S = S_in [K, V] before the chunk (G = within-chunk cumsum of g, in
+(-80, 0] thanks to the bounded gate, so e^G and e^-G are normal fp32 numbers; Gl = G of the last row)::
+
+    kg = k e^G,  kn = k e^-G,  qg = s q e^G,  kd = k e^(Gl - G)                     # [C, K]
+    A  = strict_lower(kg kn^T),  M = I + diag(beta) A,  X = M^-1                     # [C, C]
+    B1 = diag(beta) kg,  B2 = diag(beta) v,  w = X B1,  u0 = X B2,  u = u0 - w S
+    Aqk = causal_lower(qg kn^T),  o = qg S + Aqk u
+    S_out = diag(e^Gl) S + kd^T u
+
+Backward, given do [C, V] and dS_out [K, V] (the adjoint of the state after the chunk)::
+
+    du    = Aqk^T do + kd dS_out                                 (u feeds o and S_out)
+    dS_in = diag(e^Gl) dS_out + qg^T do - w^T du                 (carried backwards over chunks)
+    dqg   = do S^T + dAqk kn,   dAqk = causal(do u^T)
+    dkn   = dAqk^T qg + dA^T kg
+    dw    = -du S^T,  dkd = u dS_out^T
+    dX    = dw B1^T + du B2^T,  dB1 = X^T dw,  dB2 = X^T du
+    dM    = -X^T dX X^T          (from dX = -X dM X),  dA = strict(diag(beta) dM)
+    dkg   = diag(beta) dB1 + dA kn
+    dv    = diag(beta) dB2,   dbeta = rowsum(dB1 * kg) + rowsum(dB2 * v) + rowsum(dM * A)
+    dq    = s e^G dqg,   dk = e^G dkg + e^-G dkn + e^(Gl - G) dkd
+    dG    = qg dqg + kg dkg - kn dkn - kd dkd   (elementwise; each factor's derivative in G)
+    dGl   = e^Gl * rowsum_V(S * dS_out) + colsum_C(kd dkd)    -> added to dG of the last row
+    dg    = reverse cumsum of dG inside the chunk            (G_t = sum_{s <= t} g_s)
+
+Tokens past a sequence's end load as q = k = v = g = beta = 0 (their G equals the last real G, so Gl is the
+same as at the last real token; their X rows are set to identity rows, their u, w, du rows vanish).
+
+Four kernels:
+
+1. ``_bwd_prep_kernel`` (parallel over (chunk, head)): X, w = X B1, Aqk stored (fp32; 16 + K + 16 floats per
+   token-head).
+2. ``_bwd_state_kernel`` (sequential over chunks, parallel over (sequence, head, V-block)): recomputes S_in
+   of every chunk and stores it in ``h`` [NT, H, K, V] (``state_dtype``, fp32 default).
+3. ``_bwd_dstate_kernel`` (reverse sequential, same grid): carries dS (fp32, starting at dht or 0), stores
+   dS_out of every chunk in ``dh`` and dh0 = dS at the start.
+4. ``_bwd_chunk_kernel`` (parallel over (chunk, head)): loops over V-blocks, accumulating the sums over V
+   (dqg, dAqk, dw, dX, dkd, dGl, dbeta) in [C, K] / [C, C] registers, so no V-partials and no atomics are
+   needed (deterministic), then goes down through X to dq, dk, dg, dbeta; dv is written per V-block.
+
+Precision: every tile is loaded into fp32 (so the Triton interpreter's bf16-dot problem does not arise);
+products are exact fp32 ("ieee") for fp32 inputs and tf32 for bf16 inputs, except the small products with X
+(always "ieee"). The carried dS is fp32. The stored per-chunk h and dh are fp32 by default; with
+``state_dtype=torch.bfloat16`` their traffic halves and the gradients' relative error grows to ~3-5e-3
+(measured at T = 65 against the fp32 reference). Memory: h and dh are NT * H * K * V each (NT = number of
+16-token chunks), ~12.9 GB each in fp32 at T = 32K, H = 96, K = V = 128.
+
+Registers (compiled ahead of time for sm_90a with triton 3.6, ptxas -v, K = V = 128, tf32): the sequential
+kernels at block_v = 32 and 4 warps spill <= 80 bytes; the per-chunk kernel at chunk_block_v = 16 and 8 warps
+spills nothing (4 warps: ~1 KB). The fp32-input ("ieee") variants spill more; they serve fp32 training and the
+tests, not the bf16 fast path. Timings on an H200: benchmarks/kda_chunk_bwd.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference as _ref
+
+__all__ = ["chunk_kda_bwd"]
+
+_BT = 16
+_MAX_STEP_DECAY = 5.0
+
+
+@triton.jit
+def _mm(a, b, TF32: tl.constexpr):
+    if TF32:
+        return tl.dot(a, b, input_precision="tf32")
+    else:
+        return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _load_chunk_qkg(q, k, g, beta, rows, m_t, i_h, scale, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
+    """Loads one chunk's q, k, g, beta (fp32, zero past the end) and builds the decayed tiles."""
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    p_qk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+    m_qk = m_t[:, None]
+    b_q = tl.load(q + p_qk, mask=m_qk, other=0.0).to(tl.float32)
+    b_k = tl.load(k + p_qk, mask=m_qk, other=0.0).to(tl.float32)
+    b_g = tl.load(g + p_qk, mask=m_qk, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    gc = tl.cumsum(b_g, axis=0)  # [BT, K] in (-80, 0]
+    g_last = tl.sum(tl.where(o_t[:, None] == BT - 1, gc, 0.0), axis=0)  # [K]
+    kg = b_k * tl.exp(gc)
+    kn = b_k * tl.exp(-gc)
+    qg = b_q * scale * tl.exp(gc)
+    kd = b_k * tl.exp(g_last[None, :] - gc)
+    return b_q, b_k, b_beta, gc, g_last, kg, kn, qg, kd
+
+
+@triton.jit
+def _bwd_prep_kernel(
+    q, k, g, beta, cu_seqlens, chunk_indices, X_buf, w_buf, Aqk_buf, scale,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TF32: tl.constexpr,
+):
+    """Per (chunk, head), fully parallel: the S-independent tiles X, w and Aqk the other kernels reuse."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_n = tl.load(chunk_indices + 2 * i_c)
+    i_t = tl.load(chunk_indices + 2 * i_c + 1)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    pos = i_t * BT + o_t
+    m_t = pos < L
+    rows = bos + pos
+    b_q, b_k, b_beta, gc, g_last, kg, kn, qg, kd = _load_chunk_qkg(q, k, g, beta, rows, m_t, i_h, scale, H, K, BT)
+    strict = o_t[:, None] > o_t[None, :]
+    causal = o_t[:, None] >= o_t[None, :]
+    A = tl.where(strict, _mm(kg, tl.trans(kn), TF32), 0.0)
+    Aqk = tl.where(causal, _mm(qg, tl.trans(kn), TF32), 0.0)
+    # X = (I + diag(beta) A)^-1 by forward substitution (as in the forward kernel): row i of X is
+    # e_i - sum_{j<i} beta_i A_ij X_j.
+    Mn = -b_beta[:, None] * A
+    X = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
+    for i in tl.static_range(1, BT):
+        m_i = tl.sum(tl.where(o_t[:, None] == i, Mn, 0.0), axis=0)
+        x_i = tl.sum(m_i[:, None] * X, axis=0) + tl.where(o_t == i, 1.0, 0.0)
+        X = tl.where(o_t[:, None] == i, x_i[None, :], X)
+    w = tl.dot(X, b_beta[:, None] * kg, input_precision="ieee")  # [BT, K]
+    p_cc = (rows[:, None] * H + i_h) * BT + o_t[None, :]
+    p_qk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+    tl.store(X_buf + p_cc, X, mask=m_t[:, None])
+    tl.store(Aqk_buf + p_cc, Aqk, mask=m_t[:, None])
+    tl.store(w_buf + p_qk, w, mask=m_t[:, None])
+
+
+@triton.jit
+def _load_X(X_buf, rows, m_t, i_h, H: tl.constexpr, BT: tl.constexpr):
+    o_t = tl.arange(0, BT)
+    p_cc = (rows[:, None] * H + i_h) * BT + o_t[None, :]
+    X = tl.load(X_buf + p_cc, mask=m_t[:, None], other=0.0)
+    # rows past the end: identity rows (beta = 0 there), so X stays the exact inverse of M
+    return tl.where(m_t[:, None], X, tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0))
+
+
+@triton.jit
+def _bwd_state_kernel(
+    q, k, v, g, beta, h0, h, cu_seqlens, chunk_offsets, X_buf, w_buf, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    USE_H0: tl.constexpr, TF32: tl.constexpr,
+):
+    """Recomputes S_in of every chunk of one (sequence, head, V-block) and stores it in h."""
+    i_n = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    p_state = ((i_n * H + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
+    if USE_H0:
+        S = tl.load(h0 + p_state).to(tl.float32)
+    else:
+        S = tl.zeros([K, BV], dtype=tl.float32)
+    for i_c in range(0, tl.cdiv(L, BT)):
+        pos = i_c * BT + o_t
+        m_t = pos < L
+        rows = bos + pos
+        p_h = (((c0 + i_c) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
+        tl.store(h + p_h, S.to(h.dtype.element_ty))
+        b_q, b_k, b_beta, gc, g_last, kg, kn, qg, kd = _load_chunk_qkg(q, k, g, beta, rows, m_t, i_h, scale,
+                                                                       H, K, BT)
+        X = _load_X(X_buf, rows, m_t, i_h, H, BT)
+        p_qk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+        w = tl.load(w_buf + p_qk, mask=m_t[:, None], other=0.0)
+        p_v = (rows[:, None] * H + i_h) * V + o_v[None, :]
+        b_v = tl.load(v + p_v, mask=m_t[:, None], other=0.0).to(tl.float32)
+        u = tl.dot(X, b_beta[:, None] * b_v, input_precision="ieee") - _mm(w, S, TF32)  # [BT, BV]
+        S = S * tl.exp(g_last)[:, None] + _mm(tl.trans(kd), u, TF32)
+
+
+@triton.jit
+def _bwd_dstate_kernel(
+    q, k, g, beta, do, dht, dh, dh0, cu_seqlens, chunk_offsets, w_buf, Aqk_buf, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, TF32: tl.constexpr,
+):
+    """Carries dS backwards over the chunks of one (sequence, head, V-block); stores dS_out per chunk."""
+    i_n = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    NT = tl.cdiv(L, BT)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    p_state = ((i_n * H + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
+    if USE_DHT:
+        dS = tl.load(dht + p_state).to(tl.float32)
+    else:
+        dS = tl.zeros([K, BV], dtype=tl.float32)
+    for i_r in range(0, NT):
+        i_c = NT - 1 - i_r
+        pos = i_c * BT + o_t
+        m_t = pos < L
+        rows = bos + pos
+        p_h = (((c0 + i_c) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
+        tl.store(dh + p_h, dS.to(dh.dtype.element_ty))
+        b_q, b_k, b_beta, gc, g_last, kg, kn, qg, kd = _load_chunk_qkg(q, k, g, beta, rows, m_t, i_h, scale,
+                                                                       H, K, BT)
+        p_cc = (rows[:, None] * H + i_h) * BT + o_t[None, :]
+        Aqk = tl.load(Aqk_buf + p_cc, mask=m_t[:, None], other=0.0)
+        p_qk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+        w = tl.load(w_buf + p_qk, mask=m_t[:, None], other=0.0)
+        p_v = (rows[:, None] * H + i_h) * V + o_v[None, :]
+        b_do = tl.load(do + p_v, mask=m_t[:, None], other=0.0).to(tl.float32)
+        du = _mm(tl.trans(Aqk), b_do, TF32) + _mm(kd, dS, TF32)  # [BT, BV]
+        dS = dS * tl.exp(g_last)[:, None] + _mm(tl.trans(qg), b_do, TF32) - _mm(tl.trans(w), du, TF32)
+    if STORE_DH0:
+        tl.store(dh0 + p_state, dS)
+
+
+@triton.jit
+def _bwd_chunk_kernel(
+    q, k, v, g, beta, do, h, dh, cu_seqlens, chunk_indices, X_buf, w_buf, Aqk_buf,
+    dq, dk, dv, dg, dbeta, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    TF32: tl.constexpr,
+):
+    """All local gradients of one (chunk, head), from S_in = h[c] and dS_out = dh[c]."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_n = tl.load(chunk_indices + 2 * i_c)
+    i_t = tl.load(chunk_indices + 2 * i_c + 1)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    pos = i_t * BT + o_t
+    m_t = pos < L
+    rows = bos + pos
+    strict = o_t[:, None] > o_t[None, :]
+    causal = o_t[:, None] >= o_t[None, :]
+    # only kd, w, X, Aqk are needed inside the V loop; the other [BT, K] tiles are rebuilt after it (fewer
+    # live registers across the loop)
+    _, _, b_beta, _, _, _, _, _, kd = _load_chunk_qkg(q, k, g, beta, rows, m_t, i_h, scale, H, K, BT)
+    X = _load_X(X_buf, rows, m_t, i_h, H, BT)
+    p_cc = (rows[:, None] * H + i_h) * BT + o_t[None, :]
+    Aqk = tl.load(Aqk_buf + p_cc, mask=m_t[:, None], other=0.0)
+    p_qk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+    w = tl.load(w_buf + p_qk, mask=m_t[:, None], other=0.0)
+
+    # sums over V, accumulated block by block
+    dqg = tl.zeros([BT, K], dtype=tl.float32)
+    dw = tl.zeros([BT, K], dtype=tl.float32)
+    dkd = tl.zeros([BT, K], dtype=tl.float32)
+    dAqk = tl.zeros([BT, BT], dtype=tl.float32)
+    dX = tl.zeros([BT, BT], dtype=tl.float32)
+    dGl = tl.zeros([K], dtype=tl.float32)
+    db = tl.zeros([BT], dtype=tl.float32)
+    i_ch = i_c.to(tl.int64)
+    for i_v in range(0, V // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        p_h = ((i_ch * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
+        S = tl.load(h + p_h).to(tl.float32)  # [K, BV]
+        dS = tl.load(dh + p_h).to(tl.float32)  # [K, BV]
+        p_v = (rows[:, None] * H + i_h) * V + o_v[None, :]
+        b_v = tl.load(v + p_v, mask=m_t[:, None], other=0.0).to(tl.float32)
+        b_do = tl.load(do + p_v, mask=m_t[:, None], other=0.0).to(tl.float32)
+        bv = b_beta[:, None] * b_v  # B2 block [BT, BV]
+        u = tl.dot(X, bv, input_precision="ieee") - _mm(w, S, TF32)
+        du = _mm(tl.trans(Aqk), b_do, TF32) + _mm(kd, dS, TF32)
+        dqg += _mm(b_do, tl.trans(S), TF32)
+        dAqk += _mm(b_do, tl.trans(u), TF32)
+        dw -= _mm(du, tl.trans(S), TF32)
+        dX += _mm(du, tl.trans(bv), TF32)
+        dkd += _mm(u, tl.trans(dS), TF32)
+        dGl += tl.sum(S * dS, axis=1)
+        dB2 = tl.dot(tl.trans(X), du, input_precision="ieee")  # [BT, BV]
+        tl.store(dv + p_v, b_beta[:, None] * dB2, mask=m_t[:, None])
+        db += tl.sum(dB2 * b_v, axis=1)
+
+    b_q, b_k, b_beta, gc, g_last, kg, kn, qg, kd = _load_chunk_qkg(q, k, g, beta, rows, m_t, i_h, scale, H, K, BT)
+    # each gradient is finished as soon as its inputs are, so fewer [BT, K] tiles are live at once
+    dAqk = tl.where(causal, dAqk, 0.0)
+    dqg += _mm(dAqk, kn, TF32)
+    dkn = _mm(tl.trans(dAqk), qg, TF32)
+    tl.store(dq + p_qk, scale * tl.exp(gc) * dqg, mask=m_t[:, None])
+    # dG: each factor's derivative in G (qg, kg ~ e^G; kn ~ e^-G; kd ~ e^(Gl - G))
+    dG = qg * dqg - kd * dkd
+    b_dk = tl.exp(g_last[None, :] - gc) * dkd
+    dGl = dGl * tl.exp(g_last) + tl.sum(kd * dkd, axis=0)
+    B1 = b_beta[:, None] * kg
+    dX += _mm(dw, tl.trans(B1), TF32)
+    dB1 = tl.dot(tl.trans(X), dw, input_precision="ieee")
+    dkg = b_beta[:, None] * dB1
+    db += tl.sum(dB1 * kg, axis=1)
+    # dM = -X^T dX X^T; only its strictly lower part reaches A (M = I + diag(beta) strict(A))
+    dM = -tl.dot(tl.dot(tl.trans(X), dX, input_precision="ieee"), tl.trans(X), input_precision="ieee")
+    A = tl.where(strict, _mm(kg, tl.trans(kn), TF32), 0.0)
+    db += tl.sum(tl.where(strict, dM * A, 0.0), axis=1)
+    dA = tl.where(strict, b_beta[:, None] * dM, 0.0)
+    dkg += _mm(dA, kn, TF32)
+    dkn += _mm(tl.trans(dA), kg, TF32)
+    b_dk += tl.exp(gc) * dkg + tl.exp(-gc) * dkn
+    dG += kg * dkg - kn * dkn
+    dG += tl.where(o_t[:, None] == BT - 1, dGl[None, :], 0.0)
+    # dg_t = sum_{s >= t} dG_s (reverse cumsum) since G_t = sum_{s <= t} g_s
+    b_dg = tl.sum(dG, axis=0)[None, :] - tl.cumsum(dG, axis=0) + dG
+    tl.store(dk + p_qk, b_dk, mask=m_t[:, None])
+    tl.store(dg + p_qk, b_dg, mask=m_t[:, None])
+    tl.store(dbeta + rows * H + i_h, db, mask=m_t)
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 16 and (n & (n - 1)) == 0
+
+
+def chunk_kda_bwd(
+    q, k, v, g, beta, do, scale=None, initial_state=None, dht=None, cu_seqlens=None,
+    state_dtype=torch.float32, block_v=None, num_warps=4, chunk_block_v=None, chunk_num_warps=None,
+    check_gate=True,
+):
+    """Gradients of the core chunked KDA (post-activation inputs, see module docstring).
+
+    q, k: [B, T, H, K]; v, do: [B, T, H, V]; g: fp32 log decay [B, T, H, K] with -5 <= g <= 0;
+    beta: [B, T, H] in (0, 1); initial_state, dht: [N, H, K, V] or None. ``state_dtype``: storage of the
+    recomputed per-chunk states and state grads (fp32 or bf16). ``block_v`` / ``num_warps``: V tile and warps
+    of the two sequential kernels (default 32 / 4); ``chunk_block_v`` / ``chunk_num_warps``: those of the
+    per-chunk gradient kernel (default 16 / 8 at K >= 128). ``check_gate``: verify -5 <= g <= 0 (one
+    reduction and a host sync; ``_ChunkKDAFunction`` skips it, its forward has checked the bound or the
+    gate formula guarantees it). Returns fp32 (dq, dk, dv, dg, dbeta, dh0) with dh0 None when there is no
+    initial_state.
+    """
+    B, T, H, K, V, N = _ref._validate(q, k, v, g, beta, initial_state, cu_seqlens)
+    if not (_is_pow2(K) and _is_pow2(V)):
+        raise ValueError(f"K and V must be powers of two >= 16 for the Triton kernel, got K={K}, V={V}")
+    if tuple(do.shape) != (B, T, H, V):
+        raise ValueError(f"do must be [B, T, H, V] = {[B, T, H, V]}, got {tuple(do.shape)}")
+    if dht is not None and tuple(dht.shape) != (N, H, K, V):
+        raise ValueError(f"dht must be [N, H, K, V] = {[N, H, K, V]}, got {tuple(dht.shape)}")
+    if state_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
+    if not g.is_floating_point():
+        raise ValueError(f"g must be a floating-point log decay, got {g.dtype}")
+    if check_gate and g.numel():
+        # the 16-token tile is exp-safe only when each step's log decay is in [-5, 0] (see triton_chunk.py)
+        g_min, g_max = (float(t) for t in torch.aminmax(g.float()))
+        if not (g_min >= -_MAX_STEP_DECAY - 1e-4 and g_max <= 1e-4):
+            raise ValueError(f"g must satisfy -{_MAX_STEP_DECAY} <= g <= 0 (K3 bounded gate), "
+                             f"got min {g_min}, max {g_max}")
+    if scale is None:
+        scale = K ** -0.5
+    BV = block_v or min(V, 32)
+    if V % BV or not _is_pow2(BV):
+        raise ValueError(f"block_v must be a power of two >= 16 dividing V = {V}, got {BV}")
+    CBV = chunk_block_v or 16
+    if V % CBV or not _is_pow2(CBV):
+        raise ValueError(f"chunk_block_v must be a power of two >= 16 dividing V = {V}, got {CBV}")
+    dev = q.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    # torch.empty: every row is written by _bwd_chunk_kernel (dh0 by _bwd_dstate_kernel); an unwritten row
+    # would show up as garbage in the tests' comparisons
+    dq = torch.empty(B, T, H, K, **f32)
+    dk = torch.empty(B, T, H, K, **f32)
+    dg = torch.empty(B, T, H, K, **f32)
+    dv = torch.empty(B, T, H, V, **f32)
+    dbeta = torch.empty(B, T, H, **f32)
+    dh0 = torch.empty(N, H, K, V, **f32) if initial_state is not None else None
+    if T == 0:
+        if dh0 is not None:
+            dh0 = dht.float().clone() if dht is not None else torch.zeros_like(dh0)
+        return dq, dk, dv, dg, dbeta, dh0
+
+    q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
+    # [B, T] rows are the same memory as one packed sequence of B*T rows with boundaries at multiples of T
+    if cu_seqlens is not None:
+        cu = cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
+    else:
+        cu = torch.arange(0, B + 1, device=dev, dtype=torch.int32) * T
+    nts = (cu[1:] - cu[:-1] + _BT - 1) // _BT  # chunks per sequence [N]
+    chunk_offsets = torch.zeros(N + 1, dtype=torch.int32, device=dev)
+    chunk_offsets[1:] = torch.cumsum(nts, 0)
+    NT = int(chunk_offsets[-1])  # host sync: grid size
+    seq_of_chunk = torch.repeat_interleave(torch.arange(N, device=dev, dtype=torch.int32), nts)  # [NT]
+    chunk_indices = torch.stack(
+        [seq_of_chunk, torch.arange(NT, device=dev, dtype=torch.int32) - chunk_offsets[:-1][seq_of_chunk.long()]],
+        dim=1,
+    ).to(torch.int32).contiguous()  # [NT, 2] = (sequence, chunk within the sequence)
+
+    tf32 = q.dtype == torch.bfloat16 or v.dtype == torch.bfloat16
+    X_buf = torch.empty(B, T, H, _BT, **f32)
+    Aqk_buf = torch.empty(B, T, H, _BT, **f32)
+    w_buf = torch.empty(B, T, H, K, **f32)
+    h = torch.empty(NT, H, K, V, dtype=state_dtype, device=dev)
+    dh = torch.empty(NT, H, K, V, dtype=state_dtype, device=dev)
+    h0 = initial_state.float().contiguous() if initial_state is not None else None
+    dht_c = dht.float().contiguous() if dht is not None else None
+    dummy = dq
+    common = dict(H=H, K=K, BT=_BT, TF32=tf32)
+    # the chunk kernel keeps ~7 [16, K] fp32 tiles live plus two [K, CBV] state tiles: at K = 128, CBV = 16
+    # and 8 warps ptxas (sm_90a, triton 3.6, tf32) reports no spills, with 4 warps ~1 KB
+    chunk_warps = chunk_num_warps or (8 if K >= 128 else 4)
+    _bwd_prep_kernel[(NT, H)](q, k, g, beta, cu, chunk_indices, X_buf, w_buf, Aqk_buf, float(scale), **common,
+                              num_warps=num_warps)
+    grid = (N, H, V // BV)
+    _bwd_state_kernel[grid](
+        q, k, v, g, beta, h0 if h0 is not None else dummy, h, cu, chunk_offsets, X_buf, w_buf, float(scale),
+        V=V, BV=BV, USE_H0=h0 is not None, **common, num_warps=num_warps,
+    )
+    _bwd_dstate_kernel[grid](
+        q, k, g, beta, do, dht_c if dht_c is not None else dummy, dh, dh0 if dh0 is not None else dummy,
+        cu, chunk_offsets, w_buf, Aqk_buf, float(scale),
+        V=V, BV=BV, USE_DHT=dht_c is not None, STORE_DH0=dh0 is not None, **common, num_warps=num_warps,
+    )
+    _bwd_chunk_kernel[(NT, H)](
+        q, k, v, g, beta, do, h, dh, cu, chunk_indices, X_buf, w_buf, Aqk_buf, dq, dk, dv, dg, dbeta,
+        float(scale), V=V, BV=CBV, **common, num_warps=chunk_warps,
+    )
+    return dq, dk, dv, dg, dbeta, dh0
