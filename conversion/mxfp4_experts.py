@@ -10,6 +10,12 @@ Model layout: ``experts.gate_up_proj [E, 2I, D]`` (w1 rows then w3 rows) and ``e
 model dtype. Loading dequantises (:func:`k3_kernels.mxfp4.dequantize_mxfp4`); saving re-quantises
 (:func:`k3_kernels.mxfp4.quantize_mxfp4`) and splits back to the released per-expert keys, which is bit-exact for
 checkpoints whose scales follow the OCP rule (``quantize_mxfp4`` is idempotent on its own output).
+
+Packed layout (``expert_conversions(quantized=True, packed=True)``, for models loaded with ``keep_experts_packed``):
+the bytes are only stacked, never converted: ``experts.gate_up_proj_blocks uint8 [E, 2I, D/2]`` +
+``gate_up_proj_scales [E, 2I, D/32]`` (w1 rows then w3 rows) and ``down_proj_blocks [E, D, I/2]`` +
+``down_proj_scales [E, D, I/32]``; saving splits them back (stock ``MergeModulelist``/``Concatenate`` and their
+reverses), so a packed load/save round trip is bit for bit whatever the scales.
 """
 
 from __future__ import annotations
@@ -120,12 +126,74 @@ class Mxfp4QuantizeSplitExperts(ConversionOps):
         return Mxfp4DequantizeMergeExperts(self.dim)
 
 
-def expert_conversions(quantized: bool) -> list[WeightConverter]:
+class StackExpertBytes(ConversionOps):
+    """Many-to-one load op for packed experts: per-expert uint8 tensors of one or two projections -> one
+    ``[E, sum(rows), cols]``, rows of the projections in pattern order; no numeric change.
+
+    Its own reverse (rather than stock ``MergeModulelist`` + ``Concatenate``) because transformers 5.17's stock
+    reverse drops a size-1 trailing dim (a scale column of a small model), which would not save bit for bit.
+    """
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, **kwargs):
+        parts = []
+        for pat in source_patterns:
+            if pat not in input_dict:
+                raise ValueError(f"missing {pat!r} for {full_layer_name}")
+            ts = input_dict.pop(pat)
+            ts = ts if isinstance(ts, list) else [ts]
+            parts.append(torch.stack([_as_uint8(t, pat) for t in ts], dim=0))  # [E, rows, cols]
+        return {target_patterns[0]: torch.cat(parts, dim=1)}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return SplitExpertBytes()
+
+
+class SplitExpertBytes(ConversionOps):
+    """One-to-many save op (reverse of :class:`StackExpertBytes`): ``[E, sum(rows), cols]`` -> per-expert keys, the
+    ``*`` of each target pattern replaced by the expert index, equal row blocks per pattern."""
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        if len(input_dict) != 1:
+            raise ValueError(f"expected one stacked expert tensor, got {list(input_dict)}")
+        tensor = next(iter(input_dict.values()))
+        tensor = tensor[0] if isinstance(tensor, list) else tensor
+        out = {}
+        for pat, chunk in zip(target_patterns, torch.chunk(tensor, len(target_patterns), dim=1)):
+            for e in range(chunk.shape[0]):
+                out[pat.replace("*", str(e))] = chunk[e].contiguous()
+        return out
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return StackExpertBytes()
+
+
+def _stack(sources: list[str], target: str) -> WeightConverter:
+    """Per-expert bytes of one or two projections -> one ``[E, rows, cols]`` (rows of the projections in order)."""
+    return WeightConverter(source_patterns=sources, target_patterns=target, operations=[StackExpertBytes()])
+
+
+def expert_conversions(quantized: bool, packed: bool = False) -> list[WeightConverter]:
     """Converters from the released per-expert keys to ``experts.gate_up_proj`` / ``experts.down_proj``.
 
-    ``quantized=True``: MXFP4 ``w{1,2,3}.weight_packed`` + ``weight_scale``. ``quantized=False``: plain per-expert
-    ``w{1,2,3}.weight`` (stock ``MergeModulelist`` + ``Concatenate``, as transformers' mixtral mapping).
+    ``quantized=True``: MXFP4 ``w{1,2,3}.weight_packed`` + ``weight_scale``, dequantised; with ``packed=True`` they
+    are kept as uint8 bytes instead, stacked into ``experts.{gate_up,down}_proj_{blocks,scales}``.
+    ``quantized=False``: plain per-expert ``w{1,2,3}.weight`` (stock ``MergeModulelist`` + ``Concatenate``, as
+    transformers' mixtral mapping).
     """
+    if packed and not quantized:
+        raise ValueError("expert_conversions: packed=True needs quantized=True (only MXFP4 experts can stay packed)")
+    if packed:
+        moe = "block_sparse_moe.experts"
+        return [
+            _stack([f"{moe}.*.w1.{_PACKED}", f"{moe}.*.w3.{_PACKED}"], f"{moe}.gate_up_proj_blocks"),
+            _stack([f"{moe}.*.w1.{_SCALE}", f"{moe}.*.w3.{_SCALE}"], f"{moe}.gate_up_proj_scales"),
+            _stack([f"{moe}.*.w2.{_PACKED}"], f"{moe}.down_proj_blocks"),
+            _stack([f"{moe}.*.w2.{_SCALE}"], f"{moe}.down_proj_scales"),
+        ]
     if quantized:
         return [
             WeightConverter(

@@ -28,20 +28,29 @@ def _check_routing(x, top_idx, top_w, num_experts):
         raise ValueError(f"top_k_index holds expert ids outside [0, {num_experts})")
 
 
-def moe_experts(x, top_idx, top_w, gate_up, down, beta: float = 4.0, linear_beta: float = 25.0):
-    """x `[N, D]`, top_idx/top_w `[N, k]`, gate_up `[E, 2I, D]`, down `[E, D, I]` -> `[N, D]` in x.dtype."""
-    _check_routing(x, top_idx, top_w, gate_up.shape[0])
+def _moe(x, top_idx, top_w, num_experts, expert_weights, beta, linear_beta):
+    """The routed sum in fp32; `expert_weights(e)` gives expert e's `(gate_up [2I, D], down [D, I])` in fp32."""
+    _check_routing(x, top_idx, top_w, num_experts)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in torch.unique(top_idx).tolist():
         token, slot = torch.where(top_idx == e)
-        gate, up = F.linear(x[token].float(), gate_up[e].float()).chunk(2, dim=-1)
-        h = F.linear(situ_glu(gate, up, beta, linear_beta), down[e].float())
+        gate_up, down = expert_weights(e)
+        gate, up = F.linear(x[token].float(), gate_up).chunk(2, dim=-1)
+        h = F.linear(situ_glu(gate, up, beta, linear_beta), down)
         out.index_add_(0, token, h * top_w[token, slot, None].float())
     return out.to(x.dtype)
 
 
+def moe_experts(x, top_idx, top_w, gate_up, down, beta: float = 4.0, linear_beta: float = 25.0):
+    """x `[N, D]`, top_idx/top_w `[N, k]`, gate_up `[E, 2I, D]`, down `[E, D, I]` -> `[N, D]` in x.dtype."""
+    return _moe(x, top_idx, top_w, gate_up.shape[0], lambda e: (gate_up[e].float(), down[e].float()), beta, linear_beta)
+
+
 def moe_experts_mxfp4(x, top_idx, top_w, w13_packed, w13_scale, w2_packed, w2_scale, beta=4.0, linear_beta=25.0):
-    """Same as `moe_experts` with the weights dequantised from MXFP4 first (exactly: power-of-two scales)."""
-    gate_up = dequantize_mxfp4(w13_packed, w13_scale, torch.float32)
-    down = dequantize_mxfp4(w2_packed, w2_scale, torch.float32)
-    return moe_experts(x, top_idx, top_w, gate_up, down, beta, linear_beta)
+    """Same as `moe_experts` on MXFP4 weights, each touched expert dequantised (exactly: power-of-two scales) when
+    it is used, so the fp32 copy is one expert's, not all 896 of them."""
+    def weights(e):
+        return (dequantize_mxfp4(w13_packed[e], w13_scale[e], torch.float32),
+                dequantize_mxfp4(w2_packed[e], w2_scale[e], torch.float32))
+
+    return _moe(x, top_idx, top_w, w13_packed.shape[0], weights, beta, linear_beta)

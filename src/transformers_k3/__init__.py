@@ -30,8 +30,13 @@ register_conversions()
 # Processors: no remote code, so register them at import like the config and models.
 from transformers import AutoImageProcessor, AutoProcessor  # noqa: E402
 
+# Separate tries: transformers 5.17 without torchvision refuses the image-processor registration with an
+# ImportError, which must not also skip the processor's (AutoProcessor would then return only the tokenizer).
 try:
     AutoImageProcessor.register(KimiK3Config, slow_image_processor_class=KimiK3ImageProcessor, exist_ok=True)
+except ImportError:
+    pass
+try:
     AutoProcessor.register(KimiK3Config, KimiK3Processor, exist_ok=True)
 except ImportError:  # some transformers versions refuse the registration without Pillow; the text model needs none
     pass

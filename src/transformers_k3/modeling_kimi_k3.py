@@ -29,7 +29,7 @@ from k3_kernels.mla.reference import mla_absorbed_attention
 from k3_kernels.situ.reference import situ_glu
 
 from .cache_kimi_k3 import KimiK3Cache
-from .conversion import experts_are_mxfp4
+from .conversion import experts_are_mxfp4, packed_expert_conversions
 from .configuration_kimi_k3 import FULL_ATTENTION, KimiK3Config, KimiK3TextConfig
 
 # transformers renamed the cache keyword from `past_key_values` to `cache` (5.2x); speak whichever it speaks.
@@ -180,6 +180,8 @@ class KimiK3DeltaAttention(nn.Module):
 def eager_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """query [B, H, Tq, D], key [B, H, L, D], value [B, H, L, Dv], bool mask [B, 1, Tq, L] -> [B, Tq, H, Dv]."""
     scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scaling
+    if attention_mask is None and kwargs.get("is_causal") and query.shape[2] > 1:
+        attention_mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
     if attention_mask is not None:
         scores = scores.masked_fill(~attention_mask, float("-inf"))
     probs = scores.softmax(-1)
@@ -204,6 +206,13 @@ def k3_mla_paged_attention_forward(module, query, key, value, attention_mask, dr
 # entry keeps transformers' own mask creation working for the name (the K3 model builds its masks itself).
 AttentionInterface.register("k3_mla_paged", k3_mla_paged_attention_forward)
 AttentionMaskInterface.register("k3_mla_paged", sdpa_mask)
+
+
+# A cached chunk of at least this many tokens attends over the expanded keys / values ((dn + dr, dv) = (192, 128)
+# heads, SDPA) instead of the absorbed latent ((r + dr, r) = (576, 512) heads). Expanding the L cached latents costs
+# L * H * r * (dn + dv) * 2 FLOPs; the narrower heads save T * L * H * ((r + dr + r) - (dn + dr + dv)) * 2, so the
+# expanded form wins from T ~ 170 at K3's shapes. Decode and short chunks stay absorbed (and on the paged kernel).
+EXPANDED_PREFILL_MIN_TOKENS = 256
 
 
 class KimiK3Attention(nn.Module):
@@ -240,7 +249,7 @@ class KimiK3Attention(nn.Module):
         eye = torch.eye(self.kv_rank, device=self.kv_b_proj.weight.device, dtype=self.kv_b_proj.weight.dtype)
         return self.kv_b_proj(eye).T  # a linear map is its action on the basis
 
-    def forward(self, x, attention_mask=None, cache: KimiK3Cache | None = None, **kwargs):
+    def forward(self, x, attention_mask=None, cache: KimiK3Cache | None = None, causal_only=False, **kwargs):
         B, T, _ = x.shape
         H = self.num_heads
         if self.config.q_lora_rank is None:
@@ -251,28 +260,36 @@ class KimiK3Attention(nn.Module):
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)
         c = self.kv_a_layernorm(c)  # [B, T, r]; NoPE: k_pe is used as is, never rotated
-        if cache is not None and self.config._attn_implementation == "k3_mla_paged":
+        expand = cache is None or T >= EXPANDED_PREFILL_MIN_TOKENS
+        if not expand and self.config._attn_implementation == "k3_mla_paged":
             from k3_kernels.mla.triton_decode import mla_paged_attention  # lazy: Triton is optional
 
             # The Triton kernel attends over the layer's pages through the block table (kv_b_proj absorbed).
             out = mla_paged_attention(self, q_nope, q_pe, torch.cat([c, k_pe], dim=-1), cache, attention_mask)
-        elif cache is not None:
-            # Decode and cached prefill attend over the latent directly (kv_b_proj absorbed).
+        elif not expand:
+            # Decode and short cached chunks attend over the latent directly (kv_b_proj absorbed).
             latent = cache.update_latent(self.layer_idx, torch.cat([c, k_pe], dim=-1))  # [B, L, r + dr]
             c_all, k_pe_all = latent.to(x.dtype).split([self.kv_rank, self.rope_dim], dim=-1)
             out = mla_absorbed_attention(
                 q_nope, q_pe, c_all, k_pe_all, self._kv_b_weight(), self.v_dim, self.scaling, attention_mask
             )
         else:
-            kv = self.kv_b_proj(c).view(B, T, H, self.nope_dim + self.v_dim)
+            if cache is not None:  # a long prefill chunk: expand the whole cached latent, prefix included
+                latent = cache.update_latent(self.layer_idx, torch.cat([c, k_pe], dim=-1))  # [B, L, r + dr]
+                c, k_pe = latent.to(x.dtype).split([self.kv_rank, self.rope_dim], dim=-1)
+            L = c.shape[1]
+            kv = self.kv_b_proj(c).view(B, L, H, self.nope_dim + self.v_dim)
             k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-            k = torch.cat([k_nope, k_pe[:, :, None].expand(B, T, H, self.rope_dim)], dim=-1)
+            k = torch.cat([k_nope, k_pe[:, :, None].expand(B, L, H, self.rope_dim)], dim=-1)  # [B, L, H, dn + dr]
             attention = ALL_ATTENTION_FUNCTIONS.get_interface(
                 self.config._attn_implementation, eager_attention_forward
             )
+            # A plain causal mask goes as `is_causal` with no mask: SDPA can then take its flash / cuDNN kernels,
+            # 3x faster than with a boolean mask at K3's heads on the H200 (benchmarks/mla_prefill.py).
+            plain = causal_only and L == T
             out, _ = attention(
-                self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask,
-                dropout=0.0, scaling=self.scaling, is_causal=False,
+                self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None if plain else attention_mask,
+                dropout=0.0, scaling=self.scaling, is_causal=plain,
             )
         out = out.reshape(B, T, H * self.v_dim).to(x.dtype)
         return self.o_proj(torch.sigmoid(self.g_proj(x)) * out)
@@ -333,9 +350,32 @@ class KimiK3TopkRouter(nn.Module):
         return scores, top_w * self.config.routed_scaling_factor, top_idx
 
 
+from contextvars import ContextVar  # noqa: E402  (experts only: the packed-load request below)
+
+from k3_kernels.mxfp4.reference import dequantize_mxfp4  # noqa: E402
+
+# Set by `KimiK3PreTrainedModel.from_pretrained` while it builds the model: "explicit" (keep_experts_packed=True),
+# "auto" (experts_implementation="k3_triton": packed if the checkpoint's experts are MXFP4) or None (dequantise).
+_PACK_EXPERTS: ContextVar[str | None] = ContextVar("k3_pack_experts", default=None)
+_PACKED_NAMES = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
+_NO_TRAINING_PACKED = (
+    "KimiK3Experts holds MXFP4-packed experts (frozen 4-bit weights: no backward, no LoRA); load with "
+    "keep_experts_packed=False to train them or adapt them (they are then dequantised to the model dtype)"
+)
+
+
 @use_experts_implementation
 class KimiK3Experts(nn.Module):
-    """Routed experts as 3-D tensors (`gate_up_proj [E, 2I, D]`, `down_proj [E, D, I]`) in the latent width D."""
+    """Routed experts as 3-D tensors (`gate_up_proj [E, 2I, D]`, `down_proj [E, D, I]`) in the latent width D.
+
+    Packed (`from_pretrained(..., keep_experts_packed=True)`, or implied by `experts_implementation="k3_triton"`
+    on an MXFP4 checkpoint): the release's bytes instead, stacked per expert and frozen,
+    `gate_up_proj_blocks uint8 [E, 2I, D/2]` + `gate_up_proj_scales uint8 [E, 2I, D/32]` (w1 rows, then w3) and
+    `down_proj_blocks [E, D, I/2]` + `down_proj_scales [E, D, I/32]` (E2M1 pairs, E8M0 per 32 inputs): 4.25 bits a
+    weight instead of 16. "k3_triton" consumes them directly (W4A16); "eager" dequantises one touched expert at a
+    time (exactly, so it gives the dequantised model's numbers); the bf16 implementations ("grouped_mm",
+    "batched_mm") need the 3-D bf16 tensors and refuse.
+    """
 
     def __init__(self, config: KimiK3TextConfig):
         super().__init__()
@@ -343,37 +383,86 @@ class KimiK3Experts(nn.Module):
         self.num_experts = config.num_experts
         self.hidden_dim = config.routed_expert_hidden_size
         self.intermediate_dim = config.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
-        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
+        request = _PACK_EXPERTS.get()
+        self.packed = request is not None and experts_are_mxfp4(config)
+        if request == "explicit" and not self.packed:
+            raise ValueError(
+                "keep_experts_packed=True needs MXFP4 experts in the checkpoint (text_config.quantization_config "
+                f"with format 'mxfp4-pack-quantized'), got quantization_config="
+                f"{getattr(config, 'checkpoint_quantization_config', None)!r}"
+            )
+        E, I, D = self.num_experts, self.intermediate_dim, self.hidden_dim
+        if self.packed:
+            shapes = ((E, 2 * I, D // 2), (E, 2 * I, D // 32), (E, D, I // 2), (E, D, I // 32))
+            for name, shape in zip(_PACKED_NAMES, shapes):
+                setattr(self, name, nn.Parameter(torch.zeros(shape, dtype=torch.uint8), requires_grad=False))
+        else:
+            self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
+            self.down_proj = nn.Parameter(torch.empty(E, D, I))
+
+    def __getattr__(self, name):
+        if name in ("gate_up_proj", "down_proj") and self.__dict__.get("packed"):
+            raise AttributeError(
+                f"KimiK3Experts has no bf16 '{name}': its experts are MXFP4-packed ({', '.join(_PACKED_NAMES)}). "
+                f"experts_implementation={self.config._experts_implementation!r} needs 3-D bf16 experts; use "
+                "'k3_triton' (CUDA) or 'eager', or load with keep_experts_packed=False"
+            )
+        return super().__getattr__(name)
+
+    def _check_packed_frozen(self):
+        if self.training and torch.is_grad_enabled():
+            raise RuntimeError(_NO_TRAINING_PACKED + "; or call model.eval() / torch.no_grad() for inference")
+        if any(torch.nn.utils.parametrize.is_parametrized(self, name) for name in _PACKED_NAMES):
+            raise RuntimeError(_NO_TRAINING_PACKED)
+
+    def _expert_weights(self, expert: int, dtype: torch.dtype):
+        """`(gate_up [2I, D], down [D, I])` of one expert; packed ones dequantised (exact) to `dtype`."""
+        if not self.packed:
+            return self.gate_up_proj[expert], self.down_proj[expert]
+        return (
+            dequantize_mxfp4(self.gate_up_proj_blocks[expert], self.gate_up_proj_scales[expert], dtype),
+            dequantize_mxfp4(self.down_proj_blocks[expert], self.down_proj_scales[expert], dtype),
+        )
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return situ_glu(gate, up, self.config.activation_situ_beta, self.config.activation_situ_linear_beta)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
+        if self.packed:
+            self._check_packed_frozen()
         out = torch.zeros_like(hidden_states)
         hit = torch.unique(top_k_index)
         for expert in hit.tolist():
             token, slot = torch.where(top_k_index == expert)
-            h = F.linear(hidden_states[token], self.gate_up_proj[expert])
-            h = F.linear(self._apply_gate(h), self.down_proj[expert])
+            gate_up, down = self._expert_weights(expert, hidden_states.dtype)
+            h = F.linear(hidden_states[token], gate_up)
+            h = F.linear(self._apply_gate(h), down)
             out.index_add_(0, token, (h * top_k_weights[token, slot, None]).to(out.dtype))
         return out
 
 
 def _k3_triton_experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    """`experts_implementation="k3_triton"`: grouped Triton matmuls with SiTU-GLU fused, bf16 tensor cores.
+    """`experts_implementation="k3_triton"`: grouped Triton matmuls with SiTU-GLU fused, bf16 tensor cores; on
+    packed experts the MXFP4 bytes are unpacked in registers (W4A16).
 
     Inference only (the kernel has no backward; train with "grouped_mm"). Needs CUDA (or TRITON_INTERPRET=1).
     """
+    if self.packed:
+        self._check_packed_frozen()
     if self.training and torch.is_grad_enabled():
         raise RuntimeError("experts_implementation='k3_triton' has no backward; train with 'grouped_mm' or 'eager'")
     if hidden_states.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(f"experts_implementation='k3_triton' needs CUDA tensors, got {hidden_states.device}")
     from k3_kernels.moe.triton_moe import moe_experts_triton  # lazy: triton is optional
 
+    if self.packed:
+        weights = dict(w13_packed=self.gate_up_proj_blocks, w13_scale=self.gate_up_proj_scales,
+                       w2_packed=self.down_proj_blocks, w2_scale=self.down_proj_scales)
+    else:
+        weights = dict(gate_up=self.gate_up_proj, down=self.down_proj)
     out = moe_experts_triton(
-        hidden_states, top_k_index, top_k_weights, gate_up=self.gate_up_proj, down=self.down_proj,
+        hidden_states, top_k_index, top_k_weights, **weights,
         beta=self.config.activation_situ_beta, linear_beta=self.config.activation_situ_linear_beta,
     )
     return out.to(hidden_states.dtype)
@@ -439,14 +528,18 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
     def _mix(self, norm, proj, blocks, partial):
         return dispatch.attn_res(blocks + [partial], proj.weight, norm.weight, norm.variance_epsilon)
 
-    def forward(self, partial, blocks, attention_mask=None, pad_mask=None, cache=None, cu_seqlens=None):
-        """`partial` is the running sum P of the current block, `blocks` the completed block snapshots."""
+    def forward(self, partial, blocks, attention_mask=None, pad_mask=None, cache=None, cu_seqlens=None,
+                causal_only=False):
+        """`partial` is the running sum P of the current block, `blocks` the completed block snapshots.
+
+        `causal_only`: `attention_mask` is the plain causal mask of a fresh prompt (no padding, no prefix, no
+        packing), so MLA may attend with `is_causal=True` and no mask (flash / cuDNN SDPA kernels)."""
         h = self._mix(self.self_attention_res_norm, self.self_attention_res_proj, blocks, partial) if blocks else partial
         if self.layer_idx % self.config.attn_res_block_size == 0:
             blocks, partial = blocks + [partial], None
         normed = self.input_layernorm(h)
         if self.layer_type == FULL_ATTENTION:
-            a = self.self_attn(normed, attention_mask=attention_mask, cache=cache)
+            a = self.self_attn(normed, attention_mask=attention_mask, cache=cache, causal_only=causal_only)
         else:
             a = self.self_attn(normed, pad_mask=pad_mask, cache=cache, cu_seqlens=cu_seqlens)
         partial = a if partial is None else partial + a
@@ -479,17 +572,38 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     _keys_to_ignore_on_load_unexpected = [r"^vision_tower\.", r"^mm_projector\."]
 
     @classmethod
-    def from_pretrained(cls, *args, strict: bool = True, **kwargs):
+    def from_pretrained(cls, *args, strict: bool = True, keep_experts_packed: bool | None = None, **kwargs):
         """transformers' loader, made strict: a missing tensor or one of the wrong shape raises, naming it.
 
         transformers itself only warns and re-initialises such weights, which would silently give a broken
         model. Pass `strict=False` to get that behaviour back (e.g. to load a partial checkpoint on purpose).
+
+        `keep_experts_packed`: keep MXFP4 routed experts as the release's uint8 bytes (see `KimiK3Experts`) instead
+        of dequantising them. Default (None): packed exactly when `experts_implementation="k3_triton"` and the
+        checkpoint's experts are MXFP4, as transformers keeps gpt-oss's MXFP4 experts packed when its kernel can
+        read them; storage is a load-time choice, not a config field, so a saved config stays the released one.
+        True without an `experts_implementation` selects "eager" (the bf16 "grouped_mm" default cannot read bytes).
         """
         want_info = kwargs.pop("output_loading_info", False)
         if strict:
             # Let the loader finish so the error below can name every offending tensor.
             kwargs["ignore_mismatched_sizes"] = True
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        impl = kwargs.get("experts_implementation")
+        if keep_experts_packed:
+            impl = kwargs.setdefault("experts_implementation", "eager")
+            if isinstance(impl, str) and impl not in ("eager", "k3_triton"):
+                raise ValueError(
+                    f"keep_experts_packed=True works with experts_implementation 'eager' or 'k3_triton', got {impl!r} "
+                    f"({impl!r} needs bf16 3-D experts: load with keep_experts_packed=False for it)"
+                )
+        asks_triton = impl == "k3_triton" or (isinstance(impl, dict) and "k3_triton" in impl.values())
+        request = "explicit" if keep_experts_packed else ("auto" if keep_experts_packed is None and asks_triton else None)
+        token = _PACK_EXPERTS.set(request)
+        try:
+            with packed_expert_conversions(active=request is not None):
+                model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        finally:
+            _PACK_EXPERTS.reset(token)
         if strict:
             problems = []
             if info.get("missing_keys"):
@@ -524,7 +638,11 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         """
         text_config = self.config.get_text_config(decoder=True)
         if experts_are_mxfp4(text_config):
-            return super().save_pretrained(*args, **kwargs)
+            # Packed experts are written back as the bytes they hold (no re-quantisation), even for a model that
+            # was not loaded by `from_pretrained` and so has no recorded conversions.
+            packed = any(getattr(m, "packed", False) for m in self.modules() if isinstance(m, KimiK3Experts))
+            with packed_expert_conversions(active=packed):
+                return super().save_pretrained(*args, **kwargs)
         # An empty (not None) list tells transformers' saver there are no conversions to revert.
         saved = self.__dict__.get("_weight_conversions", None)
         self._weight_conversions = []
@@ -550,7 +668,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         elif isinstance(module, KimiK3RMSNorm):
             if module.weight.device.type != "meta":
                 module.weight.fill_(1.0)
-        elif isinstance(module, KimiK3Experts):
+        elif isinstance(module, KimiK3Experts) and not module.packed:  # packed bytes only ever come from a checkpoint
             if module.gate_up_proj.device.type != "meta":
                 module.gate_up_proj.normal_(0.0, std)
                 module.down_proj.normal_(0.0, std)
@@ -681,7 +799,8 @@ class KimiK3Model(KimiK3PreTrainedModel):
             if packed:
                 partial, blocks = self._packed_layer(layer, partial, blocks, mla_mask, cu_seqlens)
             else:
-                partial, blocks = layer(partial, blocks, mla_mask, pad_mask, cache, None)
+                partial, blocks = layer(partial, blocks, mla_mask, pad_mask, cache, None,
+                                        causal_only=pad_mask is None and past == 0)
             if output_hidden_states:
                 hidden_states += (partial,)
         h = dispatch.attn_res(blocks + [partial], self.output_attn_res_proj.weight, self.output_attn_res_norm.weight,

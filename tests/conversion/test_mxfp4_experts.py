@@ -21,7 +21,8 @@ PREFIX = "layers.0.block_sparse_moe.experts."
 class ProbeConfig(PretrainedConfig):
     model_type = "k3_mxfp4_probe"
 
-    def __init__(self, num_experts=E, moe_intermediate_size=I, routed_expert_hidden_size=D, **kwargs):
+    def __init__(self, num_experts=E, moe_intermediate_size=I, routed_expert_hidden_size=D, packed=False, **kwargs):
+        self.packed = packed  # hold the uint8 bytes (expert_conversions(packed=True)) instead of dense experts
         self.num_experts = num_experts
         self.moe_intermediate_size = moe_intermediate_size
         self.routed_expert_hidden_size = routed_expert_hidden_size
@@ -32,8 +33,16 @@ class ProbeExperts(nn.Module):
     def __init__(self, config):
         super().__init__()
         n, i, d = config.num_experts, config.moe_intermediate_size, config.routed_expert_hidden_size
-        self.gate_up_proj = nn.Parameter(torch.zeros(n, 2 * i, d))
-        self.down_proj = nn.Parameter(torch.zeros(n, d, i))
+        if config.packed:
+            u8 = dict(dtype=torch.uint8)
+            self.gate_up_proj_blocks = nn.Parameter(torch.zeros(n, 2 * i, d // 2, **u8), requires_grad=False)
+            self.gate_up_proj_scales = nn.Parameter(torch.zeros(n, 2 * i, d // 32, **u8), requires_grad=False)
+            self.down_proj_blocks = nn.Parameter(torch.zeros(n, d, i // 2, **u8), requires_grad=False)
+            self.down_proj_scales = nn.Parameter(torch.zeros(n, d, i // 32, **u8), requires_grad=False)
+            self.probe_scale = nn.Parameter(torch.ones(d))  # save_pretrained needs one float parameter for `dtype`
+        else:
+            self.gate_up_proj = nn.Parameter(torch.zeros(n, 2 * i, d))
+            self.down_proj = nn.Parameter(torch.zeros(n, d, i))
 
 
 class ProbeMoe(nn.Module):
@@ -78,10 +87,10 @@ def _released_checkpoint():
     return sd
 
 
-def _write(tmp_path, sd):
+def _write(tmp_path, sd, **config_kwargs):
     tmp_path.mkdir(parents=True, exist_ok=True)
     save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    cfg = ProbeConfig().to_dict()
+    cfg = ProbeConfig(**config_kwargs).to_dict()
     (tmp_path / "config.json").write_text(json.dumps(cfg))
 
 
@@ -166,3 +175,39 @@ def test_unquantized_conversions_load(tmp_path):
             assert torch.equal(saved[k], v), k
     finally:
         register_checkpoint_conversion_mapping("k3_mxfp4_probe", expert_conversions(quantized=True), overwrite=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_conversions_keep_the_bytes(tmp_path, dtype):
+    """packed=True stacks the bytes as they are (any byte, even scales no quantiser would emit) and splits them
+    back bit for bit; the model dtype does not touch uint8 parameters."""
+    g = torch.Generator().manual_seed(3)
+    sd = {}
+    for e in range(E):
+        for name, (rows, cols) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
+            sd[f"{PREFIX}{e}.{name}.weight_packed"] = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g)
+            sd[f"{PREFIX}{e}.{name}.weight_scale"] = torch.randint(0, 256, (rows, cols // 32), dtype=torch.uint8, generator=g)
+    sd[f"{PREFIX}probe_scale"] = torch.ones(D)
+    _write(tmp_path / "src", sd, packed=True)
+    register_checkpoint_conversion_mapping("k3_mxfp4_probe", expert_conversions(quantized=True, packed=True), overwrite=True)
+    try:
+        model, info = ProbeModel.from_pretrained(str(tmp_path / "src"), dtype=dtype, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+        ex = model.layers[0].block_sparse_moe.experts
+        for e in range(E):
+            assert torch.equal(ex.gate_up_proj_blocks[e], torch.cat([sd[f"{PREFIX}{e}.w1.weight_packed"],
+                                                                     sd[f"{PREFIX}{e}.w3.weight_packed"]]))
+            assert torch.equal(ex.gate_up_proj_scales[e, I:], sd[f"{PREFIX}{e}.w3.weight_scale"])
+            assert torch.equal(ex.down_proj_blocks[e], sd[f"{PREFIX}{e}.w2.weight_packed"])
+            assert torch.equal(ex.down_proj_scales[e], sd[f"{PREFIX}{e}.w2.weight_scale"])
+        assert all(p.dtype == torch.uint8 and not p.requires_grad for n, p in ex.named_parameters() if "proj" in n)
+        model.save_pretrained(str(tmp_path / "dst"))
+        saved = load_file(str(tmp_path / "dst" / "model.safetensors"))
+        assert set(saved) == set(sd)
+        for k, v in sd.items():
+            if v.dtype == torch.uint8:
+                assert saved[k].dtype == torch.uint8 and torch.equal(saved[k], v), k
+    finally:
+        register_checkpoint_conversion_mapping("k3_mxfp4_probe", expert_conversions(quantized=True), overwrite=True)
+    with pytest.raises(ValueError, match="packed=True needs quantized=True"):
+        expert_conversions(quantized=False, packed=True)

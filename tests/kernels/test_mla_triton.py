@@ -3,6 +3,7 @@
 Runs on the CPU under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1 when there is no GPU).
 """
 
+import copy
 import math
 import os
 
@@ -18,6 +19,8 @@ from tests.helpers import rel_err  # noqa: E402
 H, DN, DV, R, DR, PAGE = 4, 8, 8, 32, 16, 16
 LENGTHS = [1, 17, 40]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+# Compiled on a GPU machine (the kernel needs CUDA tensors there), interpreted on the CPU otherwise.
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _paged_inputs(dtype, Tq, shuffle, seed=0):
@@ -32,7 +35,7 @@ def _paged_inputs(dtype, Tq, shuffle, seed=0):
     q_nope = torch.randn(B, Tq, H, DN, generator=g).to(dtype)
     q_pe = torch.randn(B, Tq, H, DR, generator=g).to(dtype)
     w = (torch.randn(H * (DN + DV), R, generator=g) / R**0.5).to(dtype)
-    return pool, block_table, torch.tensor(LENGTHS), q_nope, q_pe, w
+    return tuple(t.to(DEV) for t in (pool, block_table, torch.tensor(LENGTHS), q_nope, q_pe, w))
 
 
 def _absorb(q_nope, w):
@@ -49,7 +52,7 @@ def test_triton_matches_references(dtype, Tq, shuffle):
     pool, table, lengths, q_nope, q_pe, w = _paged_inputs(dtype, Tq, shuffle)
     scale = (DN + DR) ** -0.5
     q_lat = _absorb(q_nope, w)
-    out = torch.full(q_lat.shape, float("nan"), dtype=dtype)  # every element must be written
+    out = torch.full(q_lat.shape, float("nan"), dtype=dtype, device=DEV)  # every element must be written
     got = mla_paged_decode(q_lat, q_pe, pool, table, lengths, scale, out=out)
     assert got.data_ptr() == out.data_ptr() and got.dtype == dtype
     assert not torch.isnan(got).any()
@@ -59,9 +62,9 @@ def test_triton_matches_references(dtype, Tq, shuffle):
     # Against the existing absorbed attention on each sequence's gathered latent, after W_uv.
     w_v = w.view(H, DN + DV, R)[:, DN:]
     for b, L in enumerate(LENGTHS):
-        pos = torch.arange(L)
+        pos = torch.arange(L, device=DEV)
         rows = pool[table[b, pos // PAGE], pos % PAGE]  # [L, R + DR]
-        t = torch.arange(Tq)
+        t = torch.arange(Tq, device=DEV)
         mask = (pos[None, :] < (L - Tq + t + 1)[:, None])[None, None]  # [1, 1, Tq, L]
         seen = mask[0, 0].any(-1)  # a query with no visible key is NaN in the reference, 0 in ours
         ref = mla_absorbed_attention(q_nope[b:b + 1], q_pe[b:b + 1], rows[None, :, :R], rows[None, :, R:],
@@ -91,8 +94,8 @@ def test_row_blocks_and_no_pe(heads, dr):
     pool, table, lengths, _, _, _ = _paged_inputs(torch.float32, 3, True, seed=3)
     pool = pool[..., : R + dr].contiguous()
     g = torch.Generator().manual_seed(4)
-    q_lat = torch.randn(len(LENGTHS), 3, heads, R, generator=g)
-    q_pe = torch.randn(len(LENGTHS), 3, heads, dr, generator=g) if dr else None
+    q_lat = torch.randn(len(LENGTHS), 3, heads, R, generator=g).to(DEV)
+    q_pe = torch.randn(len(LENGTHS), 3, heads, dr, generator=g).to(DEV) if dr else None
     got = mla_paged_decode(q_lat, q_pe, pool, table, lengths, 0.2, block_m=16)
     want = mla_paged_decode_reference(q_lat, q_pe, pool, table, lengths, 0.2)
     assert rel_err(got, want) <= 1e-5
@@ -104,7 +107,7 @@ def test_padding_mask():
 
     pool, table, lengths, q_nope, q_pe, w = _paged_inputs(torch.float32, 1, True, seed=2)
     q_lat = _absorb(q_nope, w)
-    mask = torch.ones(len(LENGTHS), 1, table.shape[1] * PAGE, dtype=torch.bool)
+    mask = torch.ones(len(LENGTHS), 1, table.shape[1] * PAGE, dtype=torch.bool, device=DEV)
     mask[1, :, :5] = False
     mask[2, :, 3:11] = False
     got = mla_paged_decode(q_lat, q_pe, pool, table, lengths, 0.3, mask=mask)
@@ -161,12 +164,12 @@ def _cached_logits(model, ids, mask):
 
 
 def test_model_paged_matches_sdpa():
-    paged = _tiny_lm("k3_mla_paged")
+    paged = _tiny_lm("k3_mla_paged").to(DEV)
     assert paged.config._attn_implementation == "k3_mla_paged"
-    ref = _tiny_lm("sdpa")
+    ref = _tiny_lm("sdpa").to(DEV)
     ref.load_state_dict(paged.state_dict())
-    ids = torch.randint(0, 500, (2, 8))
-    mask = torch.ones(2, 8, dtype=torch.long)
+    ids = torch.randint(0, 500, (2, 8), device=DEV)
+    mask = torch.ones(2, 8, dtype=torch.long, device=DEV)
     mask[1, :2] = 0  # left padding: the kernel must honour the key mask
     with torch.no_grad():
         got, want = _cached_logits(paged, ids, mask), _cached_logits(ref, ids, mask)
@@ -194,10 +197,11 @@ def test_from_pretrained_generate_matches(tiny_dir, lm):
 
     model = KimiK3ForConditionalGeneration.from_pretrained(
         tiny_dir, dtype=torch.float32, attn_implementation="k3_mla_paged"
-    ).eval()
+    ).eval().to(DEV)
     paged = model.language_model
+    lm = copy.deepcopy(lm).to(DEV)  # the session fixture itself stays on the CPU
     assert paged.config._attn_implementation == "k3_mla_paged"
-    ids = torch.randint(0, 500, (2, 7), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, 500, (2, 7), generator=torch.Generator().manual_seed(5)).to(DEV)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # left padding
     kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, output_scores=True,

@@ -13,9 +13,24 @@ from k3_kernels.mxfp4.reference import dequantize_mxfp4, quantize_mxfp4
 from k3_kernels.moe.reference import moe_experts, moe_experts_mxfp4
 
 pytest.importorskip("triton")
-from k3_kernels.moe.triton_moe import moe_experts_triton  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from k3_kernels.moe.triton_moe import _fp4_dot, moe_experts_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@triton.jit
+def _tile(W, S, OUT, e, N_ROWS, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Expert e's weights read back through the kernel's own MXFP4 product (`_fp4_dot`) with an identity on the left:
+    `I @ W_tile^T` is the dequantised tile (1 * w is exact and the zeros add nothing), stored as OUT[n, k] (fp32)."""
+    n = tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    eye = tl.where(k[:, None] == k[None, :], 1.0, 0.0).to(tl.bfloat16)  # [BLOCK_K, BLOCK_K]
+    for k0 in range(0, K, BLOCK_K):
+        w_t = _fp4_dot(eye, W, S, e, n, k0, N_ROWS, K, tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32), BLOCK_K)
+        tl.store(OUT + n[None, :] * K + k0 + k[:, None], w_t, mask=n[None, :] < N_ROWS)
 
 
 def _routing(N, E, k, g):
@@ -52,12 +67,13 @@ def test_mxfp4_matches_reference(N, block_m):
         x, top_idx, top_w, w13_packed=args[0], w13_scale=args[1], w2_packed=args[2], w2_scale=args[3], block_m=block_m
     )
     assert rel_err(got.float(), want) <= 1e-2
-    # Packed and dequantised-bf16 weights go through the same products: the unpack itself must be exact.
+    # Packed and dequantised-bf16 weights multiply the same bf16 numbers (the unpack is exact, see the bit-exact
+    # test below); only the fp32 accumulation order differs (even/odd halves per 32 inputs vs 64-input tiles).
     dense = moe_experts_triton(
         x, top_idx, top_w, gate_up=dequantize_mxfp4(args[0], args[1]), down=dequantize_mxfp4(args[2], args[3]),
         block_m=block_m,
     )
-    assert torch.equal(got, dense)
+    assert rel_err(got.float(), dense.float()) <= 1e-2 / 4  # bf16 rounding of the output and of h, nothing more
 
 
 def test_mxfp4_unpack_hand_built():
@@ -94,6 +110,25 @@ def test_mxfp4_unpack_hand_built():
     assert torch.equal(got.diagonal() != 0, ref.diagonal() != 0)
 
 
+def test_mxfp4_unpack_exact():
+    """The kernel's MXFP4 product against the reference dequantiser, value for value: every byte (so every code in
+    both nibbles), scale bytes 3..252 (all whose products are normal bf16 numbers: real checkpoints sit around
+    110..127), a non-zero expert, rows past N_ROWS clamped and never written. (-0.0 reads back as +0.0.)"""
+    E, rows, K, block_n, block_k, e = 2, 40, 256, 64, 64, 1
+    g = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (E, rows, K // 2), dtype=torch.uint8, generator=g)
+    packed[e, 0] = torch.arange(128, dtype=torch.uint8)
+    packed[e, 1] = torch.arange(128, 256, dtype=torch.uint8)
+    scale = torch.randint(3, 253, (E, rows, K // 32), dtype=torch.uint8, generator=g)
+    scale[e] = (3 + torch.arange(rows * K // 32) % 250).view(rows, K // 32).to(torch.uint8)
+    out = torch.full((block_n, K), float("nan"), device=DEVICE)
+    _tile[(1,)](packed.to(DEVICE), scale.to(DEVICE), out, e, rows, K, BLOCK_N=block_n, BLOCK_K=block_k)
+    want = dequantize_mxfp4(packed[e], scale[e], torch.float32)
+    got = out.cpu()
+    assert torch.equal(got[:rows], want)
+    assert got[rows:].isnan().all()
+
+
 def test_bad_inputs():
     x = torch.zeros(2, 64, dtype=torch.bfloat16, device=DEVICE)
     idx, w = torch.zeros(2, 1, dtype=torch.long, device=DEVICE), torch.ones(2, 1, device=DEVICE)
@@ -107,13 +142,15 @@ def test_bad_inputs():
 
 
 def test_experts_implementation_selects_the_kernel(tiny_dir, monkeypatch):
-    """`experts_implementation="k3_triton"` runs the model's experts through the kernel: same logits as eager up
-    to the kernel's bf16 products; training mode with grad refuses (no backward)."""
+    """`experts_implementation="k3_triton"` runs the model's experts through the kernel (on the MXFP4 checkpoint:
+    its packed bytes, W4A16): same logits as eager up to the kernel's bf16 products; training mode with grad
+    refuses (no backward). More on packed experts in tests/model/test_packed_experts.py."""
     from transformers_k3 import KimiK3ForConditionalGeneration
 
     eager = KimiK3ForConditionalGeneration.from_pretrained(tiny_dir, dtype=torch.float32, experts_implementation="eager").to(DEVICE)
     fast = KimiK3ForConditionalGeneration.from_pretrained(tiny_dir, dtype=torch.float32, experts_implementation="k3_triton").to(DEVICE)
     assert fast.config.get_text_config()._experts_implementation == "k3_triton"
+    assert all(m.packed for m in fast.modules() if type(m).__name__ == "KimiK3Experts")
     import k3_kernels.moe.triton_moe as triton_moe
 
     calls = []

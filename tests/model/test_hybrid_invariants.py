@@ -38,6 +38,59 @@ def test_multi_token_cached_equals_full(lm, split):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_expanded_cached_prefill_equals_full(lm, monkeypatch, attn):
+    """Long cached chunks attend over the expanded K/V (prefix included), short ones over the absorbed latent;
+    any mix of the two, with left padding, equals the cache-free forward. The threshold is lowered so the tiny
+    model crosses it."""
+    from transformers_k3 import modeling_kimi_k3
+
+    monkeypatch.setattr(modeling_kimi_k3, "EXPANDED_PREFILL_MIN_TOKENS", 6)
+    lm.set_attn_implementation(attn)
+    try:
+        x = ids(2, 24, seed=13)
+        mask = torch.ones_like(x)
+        mask[0, :4] = 0  # row 0 is left padded
+        full = lm(input_ids=x, attention_mask=mask, use_cache=False).logits
+        cache = KimiK3Cache(lm.config)
+        outs, start = [], 0
+        for size in (8, 3, 9, 1, 3):  # expanded (empty cache), absorbed, expanded over a prefix, decode, absorbed
+            outs.append(lm(input_ids=x[:, start : start + size], attention_mask=mask[:, : start + size],
+                           cache=cache, use_cache=True).logits)
+            start += size
+        got = torch.cat(outs, 1)
+        assert rel_err(got[0, 4:], full[0, 4:]) < TOL and rel_err(got[1], full[1]) < TOL
+    finally:
+        lm.set_attn_implementation("sdpa")
+
+
+@torch.no_grad()
+def test_fresh_unpadded_prompt_attends_with_is_causal(lm, monkeypatch):
+    """A fresh prompt without padding reaches the attention function as `is_causal=True` with no mask (what lets
+    SDPA pick its flash / cuDNN kernels); padding or a cached prefix still pass the boolean mask. Same logits."""
+    from transformers_k3 import modeling_kimi_k3
+
+    calls, real = [], modeling_kimi_k3.eager_attention_forward
+    monkeypatch.setattr(modeling_kimi_k3, "eager_attention_forward",
+                        lambda *a, **kw: calls.append((a[4] is None, kw["is_causal"])) or real(*a, **kw))
+    lm.set_attn_implementation("eager")
+    try:
+        x = ids(2, 12, seed=14)
+        plain = lm(input_ids=x, use_cache=False).logits
+        assert calls and all(c == (True, True) for c in calls)
+        calls.clear()
+        masked = lm(input_ids=x, attention_mask=torch.ones_like(x).index_fill(1, torch.tensor([0]), 0),
+                    use_cache=False).logits
+        assert calls and all(c == (False, False) for c in calls)
+        assert rel_err(masked[:, 1:], plain[:, 1:]) > 1e-4  # the padded key really was hidden
+        lm.set_attn_implementation("sdpa")
+        sdpa_out = lm(input_ids=x, use_cache=False).logits
+        assert rel_err(sdpa_out, plain) < TOL
+    finally:
+        lm.set_attn_implementation("sdpa")
+
+
+@torch.no_grad()
 def test_left_padded_equals_unpadded(lm):
     pad = lm.config.pad_token_id
     short, long = ids(1, 6, seed=2), ids(1, 11, seed=3)

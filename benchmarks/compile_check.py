@@ -1,0 +1,203 @@
+"""Compile every Triton kernel in `k3_kernels` for an H200 (sm_90) with whatever triton is importable, no GPU needed.
+
+The CPU tests run the kernels under `TRITON_INTERPRET=1`, which skips Triton's frontend type checks and codegen:
+a kernel can pass there and still fail to compile on the GPU (triton 3.6 rejected the MoE FP4 path that 3.9's
+interpreter ran). This script runs each op's public Python wrapper on small CPU tensors with `JITFunction.run`
+replaced by `triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`: the launch configurations are the
+ones the wrappers really pick (block sizes, flags, dtypes), the kernels are compiled through TTIR, TTGIR, LLVM,
+PTX and ptxas (shipped in the wheel), and nothing is launched. Outputs of the "launches" are left unwritten, so
+nothing is checked numerically here: that is what the tests are for.
+
+    python benchmarks/compile_check.py                      # the installed triton
+    PYTHONPATH=/tmp/t36 python benchmarks/compile_check.py  # e.g. a triton 3.6.0 wheel unzipped into /tmp/t36
+
+Prints one line per (kernel, constexprs) compiled, then any kernel launched in the source that no case reached;
+exits 1 if any compile failed or a kernel was not reached.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import sys
+import traceback
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    sys.exit("compile_check: unset TRITON_INTERPRET (the interpreter is what this script is meant to go past)")
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+TARGET = GPUTarget("cuda", 90, 32)  # H200: compute capability 9.0, warps of 32
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+           torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
+           torch.bool: "i1"}
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+compiled: dict[tuple, str] = {}  # (kernel, constexprs) -> "ok" or the error
+_current_case = ["?"]
+
+
+def _arg_type(name, value):
+    if isinstance(value, torch.Tensor):
+        return "*" + _DTYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"argument {name}: no Triton type for {type(value).__name__}")
+
+
+def _compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
+    options = {k: kwargs.pop(k) for k in _LAUNCH_OPTIONS if k in kwargs}
+    bound = inspect.signature(self.fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    signature, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(self.params):
+        value = bound.arguments[p.name]
+        if p.is_constexpr or value is None:
+            signature[p.name], constexprs[p.name] = "constexpr", value
+            continue
+        signature[p.name] = _arg_type(p.name, value)
+        # The launcher's specialisation: 16-aligned pointers and multiples of 16 are known to be so (vector loads).
+        aligned = value.data_ptr() % 16 == 0 if isinstance(value, torch.Tensor) else (
+            not isinstance(value, (bool, float)) and value % 16 == 0)
+        if aligned and not (p.do_not_specialize or p.do_not_specialize_on_alignment):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    key = (self.fn.__module__.rsplit(".", 1)[-1] + "." + self.__name__,
+           tuple(sorted((k, str(v)) for k, v in constexprs.items())), tuple(sorted(options.items())))
+    if key in compiled:
+        return None
+    try:
+        triton.compile(ASTSource(fn=self, signature=signature, constexprs=constexprs, attrs=attrs), target=TARGET,
+                       options=options or None)
+        compiled[key] = "ok"
+    except Exception as exc:  # noqa: BLE001 - every failure is reported, then the script exits 1
+        compiled[key] = f"FAILED in case {_current_case[0]}: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _moe_cases():
+    from k3_kernels.moe.triton_moe import moe_experts_triton
+
+    E, k = 4, 2  # few experts: nothing is touched
+    # K3's latent and expert widths (decode and prefill tiles), then the tiny test model's (K tiles of 32).
+    for D, I, N in ((3584, 3072, 1), (3584, 3072, 64), (32, 32, 1)):
+        x = torch.zeros(64, D, dtype=torch.bfloat16)
+        idx = (torch.arange(N * k) % E).view(N, k)
+        w = torch.full((N, k), 0.5)
+        yield f"moe mxfp4 D={D} I={I} N={N}", lambda: moe_experts_triton(
+            x[:N], idx, w, w13_packed=torch.empty(E, 2 * I, D // 2, dtype=torch.uint8),
+            w13_scale=torch.empty(E, 2 * I, D // 32, dtype=torch.uint8),
+            w2_packed=torch.empty(E, D, I // 2, dtype=torch.uint8), w2_scale=torch.empty(E, D, I // 32, dtype=torch.uint8),
+            block_m=16 if N == 1 else 64,
+        )
+        yield f"moe bf16 D={D} I={I} N={N}", lambda: moe_experts_triton(
+            x[:N], idx, w, gate_up=torch.empty(E, 2 * I, D, dtype=torch.bfloat16),
+            down=torch.empty(E, D, I, dtype=torch.bfloat16), block_m=16 if N == 1 else 64,
+        )
+
+
+def _kda_cases():
+    from k3_kernels.kda.triton_chunk import chunk_kda, chunk_kda_fwd
+    from k3_kernels.kda.triton_recurrent import fused_recurrent_kda
+
+    B, T, H, K = 1, 130, 2, 128
+    q = torch.zeros(B, T, H, K, dtype=torch.bfloat16)
+    g = torch.zeros(B, T, H, K)
+    beta = torch.zeros(B, T, H, dtype=torch.bfloat16)
+    gate = dict(use_gate_in_kernel=True, A_log=torch.zeros(H), dt_bias=torch.zeros(H * K), lower_bound=-5.0)
+    yield "kda chunk", lambda: chunk_kda(q, q, q, g, beta, initial_state=torch.zeros(B, H, K, K), output_final_state=True)
+    yield "kda chunk gate+l2norm+beta", lambda: chunk_kda(
+        q, q, q, g, beta, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **gate)
+    for split in (False, True):  # the 16-token kernel, with and without the parallel w/u0 prep kernel
+        yield f"kda chunk16 split={split}", lambda: chunk_kda_fwd(q, q, q, g, beta, chunk_size=16, split=split)
+    try:
+        from k3_kernels.kda.triton_chunk_bwd import chunk_kda_bwd
+    except ImportError:
+        chunk_kda_bwd = None
+    if chunk_kda_bwd is not None:
+        h0 = torch.zeros(B, H, K, K)
+        yield "kda chunk backward", lambda: chunk_kda_bwd(q, q, q, g, beta, q, initial_state=h0, dht=h0)
+        yield "kda chunk backward bf16 states", lambda: chunk_kda_bwd(q, q, q, g, beta, q, state_dtype=torch.bfloat16)
+    yield "kda recurrent", lambda: fused_recurrent_kda(
+        q[:, :1], q[:, :1], q[:, :1], g[:, :1], beta[:, :1], initial_state=torch.zeros(B, H, K, K),
+        output_final_state=True)
+    yield "kda recurrent gate+l2norm+beta", lambda: fused_recurrent_kda(
+        q[:, :1], q[:, :1], q[:, :1], g[:, :1], beta[:, :1], use_qk_l2norm_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True, **gate)
+
+
+def _mla_cases():
+    from k3_kernels.mla.triton_decode import mla_paged_decode
+
+    B, H, r, dr, page = 2, 4, 512, 64, 64
+    pool = torch.zeros(8, page, r + dr, dtype=torch.bfloat16)
+    table = torch.arange(8, dtype=torch.int32).view(B, 4)
+    lengths = torch.tensor([100, 200], dtype=torch.int32)
+    for Tq in (1, 2):
+        qlat = torch.zeros(B, Tq, H, r, dtype=torch.bfloat16)
+        qpe = torch.zeros(B, Tq, H, dr, dtype=torch.bfloat16)
+        yield f"mla decode Tq={Tq}", lambda: mla_paged_decode(qlat, qpe, pool, table, lengths, 0.07, num_splits=2)
+
+
+def _attnres_cases():
+    from k3_kernels.attnres.triton_attnres import attn_res_triton
+
+    for dtype in (torch.float32, torch.bfloat16):
+        v = torch.zeros(4, 3, 7168, dtype=dtype, requires_grad=True)
+        q = torch.zeros(1, 7168, requires_grad=True)
+        nw = torch.ones(7168, requires_grad=True)
+        yield f"attnres {dtype}", lambda: attn_res_triton(v, q, nw).float().sum().backward()
+
+
+def _launched_kernels() -> set[str]:
+    """Names launched as `name[grid](...)` in the kernel sources: what the cases must reach."""
+    root = Path(__file__).resolve().parents[1] / "kernels"
+    names = set()
+    for path in root.rglob("*.py"):
+        src = path.read_text()
+        for name in re.findall(r"^def (\w+)\(", src, flags=re.M):
+            if re.search(rf"\b{name}\[", src) and f"@triton.jit\ndef {name}(" in src:
+                names.add(f"{path.stem}.{name}")
+    return names
+
+
+def main() -> int:
+    print(f"triton {triton.__version__} ({Path(triton.__file__).parent}), target {TARGET}")
+    JITFunction.run = _compile_instead_of_launch
+    case_errors = []
+    for cases in (_moe_cases, _kda_cases, _mla_cases, _attnres_cases):
+        try:
+            for name, fn in cases():
+                _current_case[0] = name
+                try:
+                    fn()
+                except Exception as exc:  # noqa: BLE001 - a wrapper that cannot even reach its launch is reported
+                    case_errors.append(f"{name}: {type(exc).__name__}: {exc}")
+        except Exception:  # noqa: BLE001 - an import error of one op must not hide the others
+            case_errors.append(f"{cases.__name__}: {traceback.format_exc(limit=1)}")
+    failed = 0
+    for (kernel, constexprs, options), status in sorted(compiled.items()):
+        cx = ", ".join(f"{k}={v}" for k, v in constexprs)
+        opts = ", ".join(f"{k}={v}" for k, v in options)
+        print(f"{'ok  ' if status.startswith('ok') else 'FAIL'} {kernel}[{cx}{'; ' + opts if opts else ''}] {status}")
+        failed += not status.startswith("ok")
+    missing = sorted(_launched_kernels() - {k for k, _, _ in compiled})
+    for name in missing:
+        print(f"NOT REACHED {name}: no case launched it")
+    for err in case_errors:
+        print(f"CASE ERROR {err}")
+    print(f"{len(compiled) - failed} compiled, {failed} failed, {len(missing)} not reached, {len(case_errors)} case errors")
+    return 1 if failed or missing or case_errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
