@@ -176,26 +176,6 @@ def load_processor():
     return KimiK3Processor(KimiK3ImageProcessor(max_patches=256, max_patches_per_side=16), tok)
 
 
-def load_saved_processor(path):
-    """The processor saved beside a checkpoint, through `AutoProcessor` where transformers_k3 could register it.
-
-    transformers 5.17 refuses `AutoImageProcessor.register` without torchvision, and transformers_k3 then registers
-    no Auto processor classes, so `AutoProcessor` returns only the tokenizer: build the processor from the saved
-    files instead (same tokenizer, same image-processor settings, the chat template's default)."""
-    from transformers import AutoProcessor
-
-    from transformers_k3 import KimiK3ImageProcessor, KimiK3Processor
-
-    loaded = AutoProcessor.from_pretrained(path)
-    if isinstance(loaded, KimiK3Processor):
-        return loaded
-    warnings.warn(f"AutoProcessor gave a {type(loaded).__name__} (Kimi K3 processor not registered in this "
-                  "transformers install); building KimiK3Processor from the saved files")
-    ip_cfg = dict(json.loads((Path(path) / "processor_config.json").read_text())["image_processor"])
-    ip_cfg.pop("image_processor_type", None)
-    return KimiK3Processor(KimiK3ImageProcessor(**ip_cfg), loaded)
-
-
 class Layout:
     """Prompt = the processor's chat template for one user turn [image, question] plus the assistant header;
     target = answer + `<|end_of_msg|>` (the stop token). Token ids are built from cached pieces (the template's

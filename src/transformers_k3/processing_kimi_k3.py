@@ -25,7 +25,7 @@ import re
 from transformers.image_processing_utils import BatchFeature
 from transformers.processing_utils import ProcessorMixin
 
-from .image_processing_kimi_k3 import CALL_KWARGS, VIDEO_ERROR, _flatten_images
+from .image_processing_kimi_k3 import CALL_KWARGS, VIDEO_ERROR, KimiK3ImageProcessor, _flatten_images
 
 IMAGE_TOKEN = "<|media_pad|>"
 IMAGE_MARKER = "<|kimi_image_placeholder|>"
@@ -75,6 +75,35 @@ class KimiK3Processor(ProcessorMixin):
         if missing:
             raise ValueError(f"tokenizer has no single-token ids for {missing}; add the K3 special tokens first")
         self.image_token_id = ids[0]
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """ProcessorMixin's loader, except where transformers has no usable `AutoImageProcessor` (5.17 without
+        torchvision makes it a placeholder that raises for every model): then the image processor is built from
+        the saved `processor_config.json`, the tokenizer through `AutoTokenizer`, the chat template from its file."""
+        from transformers import AutoImageProcessor, AutoTokenizer
+        from transformers.utils.import_utils import DummyObject
+
+        if not isinstance(AutoImageProcessor, DummyObject):
+            return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        import json
+        import os
+
+        path = str(pretrained_model_name_or_path)
+        config_file = os.path.join(path, "processor_config.json")
+        if not os.path.isfile(config_file):
+            raise ValueError(f"{path}: no processor_config.json to build KimiK3Processor from (AutoImageProcessor "
+                             "is unavailable in this transformers install: it needs torchvision)")
+        with open(config_file) as f:
+            ip_cfg = dict(json.load(f).get("image_processor", {}))
+        ip_cfg.pop("image_processor_type", None)
+        template_file = os.path.join(path, "chat_template.jinja")
+        template = None
+        if os.path.isfile(template_file):
+            with open(template_file) as f:
+                template = f.read()
+        return cls(KimiK3ImageProcessor(**ip_cfg), AutoTokenizer.from_pretrained(path, **kwargs),
+                   chat_template=template)
 
     def _expand(self, sample: str, grids: list, sample_index: int) -> str:
         merge = self.image_processor.merge_size
