@@ -46,8 +46,18 @@ def _triton_kda_ops():
     return chunk_kda, fused_recurrent_kda
 
 
-def kda_ops(backend: str, device_type: str):
-    """Return `(chunk_kda, fused_recurrent_kda)` for `backend` in {"auto", "torch", "triton", "fla"}."""
+def _chunk_tiles_fit(head_dim: int | None) -> bool:
+    """The Triton chunk kernel tiles K = V = head_dim with tl.dot: a power of two >= 16."""
+    return head_dim is None or (head_dim >= 16 and head_dim & (head_dim - 1) == 0)
+
+
+def kda_ops(backend: str, device_type: str, head_dim: int | None = None):
+    """Return `(chunk_kda, fused_recurrent_kda)` for `backend` in {"auto", "torch", "triton", "fla"}.
+
+    `head_dim` (K = V of the layer), when given, is checked against the Triton chunk kernel's tiles: an explicit
+    "triton" raises for a head dim it cannot tile, "auto" then runs the chunked prefill on the torch reference
+    (warning once) and keeps the Triton decode kernel, which takes any head dim.
+    """
     if backend == "torch":
         return kda_reference.chunk_kda, kda_reference.fused_recurrent_kda
     if backend == "triton":
@@ -58,6 +68,11 @@ def kda_ops(backend: str, device_type: str):
             )
         if not _triton_available():
             raise RuntimeError("kda_backend='triton' needs Triton: `pip install triton` (or use kda_backend='torch').")
+        if not _chunk_tiles_fit(head_dim):
+            raise ValueError(
+                f"kda_backend='triton': linear_attn_config.head_dim = {head_dim} is not a power of two >= 16, which "
+                "the Triton chunk kernel needs; use kda_backend='auto' (torch reference for prefill) or 'torch'."
+            )
         return _triton_kda_ops()
     if backend == "fla":
         if importlib.util.find_spec("fla") is None or device_type != "cuda":
@@ -69,7 +84,15 @@ def kda_ops(backend: str, device_type: str):
         raise ValueError(f"kda_backend must be one of auto, torch, triton, fla; got {backend!r}")
     if device_type == "cuda":
         if _triton_available():
-            return _triton_kda_ops()
+            chunk, recurrent = _triton_kda_ops()
+            if not _chunk_tiles_fit(head_dim):
+                _warn_once(
+                    "kda-auto-head-dim",
+                    f"transformers-k3: KDA head_dim {head_dim} is not a power of two >= 16; chunked prefill uses the "
+                    "torch reference (decode stays on the Triton kernel).",
+                )
+                chunk = kda_reference.chunk_kda
+            return chunk, recurrent
         _warn_once("kda-auto", "transformers-k3: Triton is not installed; KDA uses the torch reference on CUDA.")
     return kda_reference.chunk_kda, kda_reference.fused_recurrent_kda
 

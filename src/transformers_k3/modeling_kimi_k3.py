@@ -149,7 +149,7 @@ class KimiK3DeltaAttention(nn.Module):
         if pad_mask is not None:
             g = g * pad_mask[..., None, None]
             beta = beta * pad_mask[..., None]
-        chunk_kda, recurrent_kda = dispatch.kda_ops(self.config.kda_backend, x.device.type)
+        chunk_kda, recurrent_kda = dispatch.kda_ops(self.config.kda_backend, x.device.type, head_dim=K)
         kda = recurrent_kda if (recurrent is not None and T <= 4) else chunk_kda
         extra = {}
         if (
@@ -913,14 +913,30 @@ def vision_rope_angles(grid_thw: torch.Tensor, head_dim: int, theta: float, devi
     the dims follow the row, half the column, with the same frequencies. `(row, col)` is the patch's place in its
     own image's `(h, w)` grid (raster order, the order of `pixel_values`), so every image starts at (0, 0).
     """
-    freqs = theta ** (-torch.arange(0, head_dim, 4, dtype=torch.float32, device=device) / head_dim)  # [D/4]
+    freqs = theta ** (-torch.arange(0, head_dim, 4, dtype=torch.float32) / head_dim)  # [D/4]
     rows, cols = [], []
-    for t, h, w in grid_thw.tolist():
-        rows.append(torch.arange(h, device=device).repeat_interleave(w).repeat(t))  # [t*h*w]
-        cols.append(torch.arange(w, device=device).repeat(h * t))
+    for t, h, w in grid_thw.tolist():  # built on the CPU (small integer work) and moved once
+        rows.append(torch.arange(h).repeat_interleave(w).repeat(t))  # [t*h*w]
+        cols.append(torch.arange(w).repeat(h * t))
     row, col = torch.cat(rows).float(), torch.cat(cols).float()
     angles = torch.stack([col[:, None] * freqs, row[:, None] * freqs], dim=-1)  # [N, D/4, 2]: (col, row)
-    return angles.flatten(1)  # [N, D/2]
+    return angles.flatten(1).to(device)  # [N, D/2]
+
+
+def vision_groups(bounds: list[int], device) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+    """Images of equal patch count, batched together for attention: `(perm, inverse, [(n_images, length)])`.
+
+    `perm` [N] lists the patch rows group by group (images of one length in input order), `inverse` undoes it,
+    so one attention call per distinct length serves a whole batch of same-sized images.
+    """
+    by_length: dict[int, list[int]] = {}
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        by_length.setdefault(b - a, []).append(a)
+    perm = torch.cat([torch.arange(a, a + n) for n, starts in by_length.items() for a in starts])
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(len(perm))
+    sizes = [(len(starts), n) for n, starts in by_length.items()]
+    return perm.to(device), inverse.to(device), sizes
 
 
 def apply_vision_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
@@ -995,7 +1011,7 @@ class KimiK3VisionBlock(GradientCheckpointingLayer):
         self.wo = nn.Linear(vc.qkv_hidden_size, vc.vt_hidden_size, bias=False)
         self.mlp = KimiK3VisionMLP(vc)
 
-    def _attention(self, x, angles, cu_seqlens, bounds):
+    def _attention(self, x, angles, cu_seqlens, bounds, groups):
         N, H, D = x.shape[0], self.num_heads, self.head_dim
         # The fused projection is laid out (q | k | v), each (head, head_dim), as MoonViT's reference code.
         q, k, v = self.wqkv(x).view(N, 3, H, D).unbind(1)  # each [N, H, D]
@@ -1011,18 +1027,24 @@ class KimiK3VisionBlock(GradientCheckpointingLayer):
                 cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen,
             )
         else:
-            # One call per image: the block-diagonal pattern without an N x N mask (which would also keep sdpa
-            # off its fused kernels).
-            out = torch.cat([
-                attention(self, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None, dropout=0.0, scaling=self.scaling,
-                          is_causal=False)[0]
-                for a, b in zip(bounds[:-1], bounds[1:])
-            ], dim=1)  # [1, N, H, D]
+            # One batched call per group of equally long images (`vision_groups`): the block-diagonal pattern
+            # without an N x N mask (which would also keep sdpa off its fused kernels) and without a call per image.
+            perm, inverse, sizes = groups
+            q, k, v = (t[0].index_select(1, perm) for t in (q, k, v))  # [H, N, D], grouped order
+            outs, start = [], 0
+            for n_img, length in sizes:
+                sl = slice(start, start + n_img * length)
+                qg, kg, vg = (t[:, sl].view(H, n_img, length, D).transpose(0, 1) for t in (q, k, v))  # [n, H, L, D]
+                o = attention(self, qg, kg, vg, None, dropout=0.0, scaling=self.scaling, is_causal=False)[0]
+                outs.append(o.reshape(n_img * length, H, D))  # [n * L, H, D]
+                start += n_img * length
+            out = torch.cat(outs).index_select(0, inverse)  # [N, H, D], back in image order
         return self.wo(out.reshape(N, H * D))
 
-    def forward(self, x, angles, cu_seqlens, bounds):
-        """x `[N, hidden]`; cu_seqlens the image boundaries on x's device (int32), bounds the same as a list."""
-        x = x + self._attention(self.norm0(x), angles, cu_seqlens, bounds)
+    def forward(self, x, angles, cu_seqlens, bounds, groups):
+        """x `[N, hidden]`; cu_seqlens the image boundaries on x's device (int32), bounds the same as a list,
+        groups the equal-length image groups of `vision_groups`."""
+        x = x + self._attention(self.norm0(x), angles, cu_seqlens, bounds, groups)
         return x + self.mlp(self.norm1(x))
 
 
@@ -1037,15 +1059,18 @@ class KimiK3VisionPosEmb(nn.Module):
     def forward(self, x: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
         """x `[total_patches, hidden]` in raster order per image; grid `[num_images, 3]` (t = 1)."""
         table = self.weight.float().permute(2, 0, 1)[None]  # [1, hidden, H0, W0]
+        resized = {}  # one interpolation per distinct grid, not per image
         parts = []
         for _, h, w in grid.tolist():
-            if (h, w) == tuple(self.weight.shape[:2]):
-                pos = table[0]
-            else:
-                # align_corners=False (torch's default, and MoonViT's): the table's cells are areas covering the
-                # grid, not points at its corners; the same call for growing and shrinking.
-                pos = F.interpolate(table, size=(h, w), mode=self.mode, align_corners=False)[0]
-            parts.append(pos.flatten(1).T)  # [h*w, hidden]
+            if (h, w) not in resized:
+                if (h, w) == tuple(self.weight.shape[:2]):
+                    pos = table[0]
+                else:
+                    # align_corners=False (torch's default, and MoonViT's): the table's cells are areas covering
+                    # the grid, not points at its corners; the same call for growing and shrinking.
+                    pos = F.interpolate(table, size=(h, w), mode=self.mode, align_corners=False)[0]
+                resized[(h, w)] = pos.flatten(1).T  # [h*w, hidden]
+            parts.append(resized[(h, w)])
         return x + torch.cat(parts).to(x.dtype)
 
 
@@ -1075,11 +1100,14 @@ class KimiK3VisionTower(nn.Module):
     def patch_merge(self, x: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
         kh, kw = self.config.merge_kernel_size
         d = x.shape[-1]
-        out = []
-        for img, (_, h, w) in zip(x.split(grid.prod(-1).tolist()), grid.tolist()):
-            img = img.view(h // kh, kh, w // kw, kw, d).permute(0, 2, 1, 3, 4)  # [h/kh, w/kw, kh, kw, d]
-            out.append(img.reshape(h * w // (kh * kw), kh * kw * d))
-        return torch.cat(out)
+        # One gather: per image, its rows in (h/kh, w/kw, kh, kw) order, the index built on the CPU.
+        order, start = [], 0
+        for _, h, w in grid.tolist():
+            rows = torch.arange(h * w).view(h // kh, kh, w // kw, kw).permute(0, 2, 1, 3)  # [h/kh, w/kw, kh, kw]
+            order.append(rows.reshape(-1) + start)
+            start += h * w
+        index = torch.cat(order).to(x.device)
+        return x.index_select(0, index).view(-1, kh * kw * d)  # [N / (kh * kw), kh * kw * d]
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         vc = self.config
@@ -1092,8 +1120,9 @@ class KimiK3VisionTower(nn.Module):
         cu_seqlens = bounds.to(device=x.device, dtype=torch.int32)
         bounds = bounds.tolist()
         angles = vision_rope_angles(grid, vc.vt_head_dim, vc.vt_rope_theta, device=x.device)
+        groups = vision_groups(bounds, x.device)
         for block in self.encoder.blocks:
-            x = block(x, angles, cu_seqlens, bounds)
+            x = block(x, angles, cu_seqlens, bounds, groups)
         return self.patch_merge(self.encoder.final_layernorm(x), grid)
 
 

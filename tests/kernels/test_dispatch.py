@@ -95,6 +95,24 @@ def test_missing_triton_chunk_falls_back_once(monkeypatch, caplog, backend):
     assert sum("Triton chunk" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_head_dim_the_chunk_kernel_cannot_tile(monkeypatch, caplog):
+    """head_dim 48: explicit "triton" raises naming the field; "auto" prefills on the torch reference (one warning)
+    and keeps the Triton decode kernel; a power of two keeps both Triton kernels."""
+    pytest.importorskip("triton")
+    from k3_kernels.kda.triton_recurrent import fused_recurrent_kda
+
+    monkeypatch.setattr(dispatch, "_triton_available", lambda: True)
+    fake_chunk = _with_fake_chunk_module(monkeypatch)
+    with pytest.raises(ValueError, match="head_dim = 48"):
+        dispatch.kda_ops("triton", "cuda", head_dim=48)
+    with caplog.at_level(logging.WARNING, logger=dispatch.__name__):
+        for _ in range(3):
+            assert dispatch.kda_ops("auto", "cuda", head_dim=48) == (ref.chunk_kda, fused_recurrent_kda)
+    assert sum("head_dim 48" in r.getMessage() for r in caplog.records) == 1
+    assert dispatch.kda_ops("auto", "cuda", head_dim=64) == (fake_chunk, fused_recurrent_kda)
+    assert dispatch.kda_ops("triton", "cuda", head_dim=128) == (fake_chunk, fused_recurrent_kda)
+
+
 def test_auto_cuda_without_triton_warns_once(monkeypatch, caplog):
     monkeypatch.setattr(dispatch, "_triton_available", lambda: False)
     with caplog.at_level(logging.WARNING, logger=dispatch.__name__):
@@ -131,7 +149,7 @@ def test_model_decode_through_triton_recurrent_updates_cache_in_place(lm, monkey
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 500, (2, 9), generator=g).to(device)
     full = lm(input_ids=x, use_cache=False).logits
-    monkeypatch.setattr(dispatch, "kda_ops", lambda backend, device: (ref.chunk_kda, recurrent))
+    monkeypatch.setattr(dispatch, "kda_ops", lambda backend, device, head_dim=None: (ref.chunk_kda, recurrent))
     cache = KimiK3Cache(lm.config)
     steps = [lm(input_ids=x[:, :5], cache=cache, use_cache=True).logits]
     states = {i: s for i, s in cache.recurrent_states.items()}
