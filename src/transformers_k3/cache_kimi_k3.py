@@ -9,10 +9,16 @@ boundary, so the cache grows by the latent bytes per token (rounded up to a page
 KDA layers keep three conv states `[B, H*K, W-1]` (the last inputs of q, k, v) and the fp32 recurrent state
 `[B, H, K, V]`, updated in place of the previous ones.
 
-What this cache cannot do yet, and so refuses: rolling back (crop) a KDA state, which needs the saved
-projected inputs of speculative decoding (SPEC 7), and prefix reuse across requests, which needs KDA state
-snapshots at block boundaries. Both are planned on this layout: `snapshot_kda`/`restore_kda` are the state
-half of it.
+Rolling back (`crop`, what assisted / speculative decoding does after verifying draft tokens): a recurrent state
+cannot be un-updated, so a cache built with `rollback_tokens=R` (generate does so for assisted decoding) keeps, for
+each KDA layer, the state as it was R tokens before the end of the last forward plus those tokens' inputs (the
+projections before the convs, and q, k, v, g, beta as the recurrence consumed them). `crop` then replays the
+kept tokens through the torch reference recurrence and rebuilds the conv states; MLA layers only shorten their
+length (the pages stay and are overwritten). Cropping further back than R tokens raises. Without
+`rollback_tokens` the cache is not croppable and costs nothing extra.
+
+Not yet: prefix reuse across requests (needs KDA state snapshots at block boundaries; `snapshot_kda` /
+`restore_kda` are the state half of it).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from .configuration_kimi_k3 import FULL_ATTENTION, LINEAR_ATTENTION
 class KimiK3Cache(Cache):
     is_compileable = False
 
-    def __init__(self, config):
+    def __init__(self, config, rollback_tokens: int = 0):
         # `layers=[]`: the per-layer bookkeeping of the base class does not fit a paged hybrid; every method
         # generate and the model use is implemented here.
         super().__init__(layers=[])
@@ -39,6 +45,9 @@ class KimiK3Cache(Cache):
         self.latent_dim = config.kv_lora_rank + config.qk_rope_head_dim
         self.mla_layers = [i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION]
         self.kda_layers = [i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION]
+        if int(rollback_tokens) < 0:
+            raise ValueError(f"rollback_tokens must be >= 0, got {rollback_tokens}")
+        self.rollback_tokens = int(rollback_tokens)
         self.reset()
 
     # bookkeeping -------------------------------------------------------------------------------------------
@@ -49,6 +58,7 @@ class KimiK3Cache(Cache):
         self.lengths: dict[int, int] = {i: 0 for i in self.mla_layers}
         self.conv_states: dict[int, tuple[torch.Tensor, ...]] = {}
         self.recurrent_states: dict[int, torch.Tensor] = {}
+        self.rollback_windows: dict[int, dict] = {}  # KDA layer -> the last forward's window (see save_rollback)
         self._seen_tokens = 0
 
     def __len__(self) -> int:
@@ -64,7 +74,7 @@ class KimiK3Cache(Cache):
 
     @property
     def is_croppable(self) -> bool:
-        return not self.kda_layers
+        return not self.kda_layers or self.rollback_tokens > 0
 
     @property
     def max_batch_size(self):
@@ -167,6 +177,45 @@ class KimiK3Cache(Cache):
         self.conv_states[layer_idx] = tuple(s.float() for s in conv_states)
         self.recurrent_states[layer_idx] = recurrent.float()
 
+    def save_rollback(self, layer_idx: int, conv_states, recurrent, conv_inputs, kda_inputs) -> None:
+        """What `crop` needs to roll layer `layer_idx` back into its last `len` tokens: the conv states
+        `[B, D, W-1]` and recurrent state `[B, H, K, V]` (or None: fresh) before them, their pre-conv projections
+        `(x_q, x_k, x_v)` `[B, n, D]` and the recurrence inputs `(q, k, v, g, beta)` `[B, n, ...]`."""
+        self.rollback_windows[layer_idx] = {
+            "conv": conv_states, "recurrent": recurrent, "conv_inputs": conv_inputs, "kda_inputs": kda_inputs,
+            "len": kda_inputs[0].shape[1],
+        }
+
+    def _roll_back_kda(self, layer_idx: int, remove: int) -> None:
+        from k3_kernels.kda.reference import fused_recurrent_kda  # the exact recurrence, on any device
+
+        win = self.rollback_windows.get(layer_idx)
+        if win is None or remove > win["len"]:
+            raise ValueError(
+                f"KimiK3Cache.crop: cannot roll KDA layer {layer_idx} back {remove} tokens; it keeps the last "
+                f"{0 if win is None else win['len']} (rollback_tokens={self.rollback_tokens} of the last forward)"
+            )
+        keep = win["len"] - remove
+        conv = []
+        for state, x in zip(win["conv"], win["conv_inputs"]):  # state [B, D, W-1], x [B, n, D]
+            full = torch.cat([state, x[:, :keep].float().transpose(1, 2)], dim=-1)  # [B, D, W-1 + keep]
+            conv.append(full[..., full.shape[-1] - state.shape[-1]:].contiguous())
+        q, k, v, g, beta = (t[:, :keep] for t in win["kda_inputs"])
+        if keep:
+            _, recurrent = fused_recurrent_kda(q, k, v, g, beta, initial_state=win["recurrent"],
+                                               output_final_state=True, use_qk_l2norm_in_kernel=True)
+        elif win["recurrent"] is not None:
+            recurrent = win["recurrent"].clone()
+        else:
+            B, _, H, K = q.shape
+            recurrent = torch.zeros(B, H, K, v.shape[-1], dtype=torch.float32, device=q.device)
+        self.conv_states[layer_idx] = tuple(conv)
+        self.recurrent_states[layer_idx] = recurrent.float()
+        # The window now ends where the cache does: a second crop can go further back inside it.
+        win["conv_inputs"] = tuple(x[:, :keep] for x in win["conv_inputs"])
+        win["kda_inputs"] = (q, k, v, g, beta)
+        win["len"] = keep
+
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
         states = self.conv_states.get(layer_idx)
         return None if states is None else states[state_idx]
@@ -199,6 +248,7 @@ class KimiK3Cache(Cache):
             self.conv_states[layer] = tuple(s.index_select(0, index.to(s.device)) for s in states)
         for layer, state in self.recurrent_states.items():
             self.recurrent_states[layer] = state.index_select(0, index.to(state.device))
+        self.rollback_windows = {}  # they describe the old rows: a later crop raises instead of mixing them
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select_rows(beam_idx)
@@ -215,17 +265,24 @@ class KimiK3Cache(Cache):
             return state.shape[0]
         return 0
 
-    def crop(self, max_length: int) -> None:
+    def crop(self, tokens: int) -> None:
+        """`crop(-n)` removes the last n tokens (what transformers' generate calls; `crop(0)` is a no-op);
+        `crop(n)` with n > 0, transformers' legacy form, keeps the first n."""
         length = self.get_seq_length()
-        if max_length < 0:
-            max_length = length + max_length
+        if tokens == 0:
+            return
+        max_length = max(length + tokens, 0) if tokens < 0 else tokens
         if max_length >= length:
             return
         if self.kda_layers:
-            raise NotImplementedError(
-                "KimiK3Cache cannot crop: KDA recurrent states are updated in place and cannot be rolled back "
-                "without a saved state and the replayed inputs (speculative-decoding rollback is not implemented yet)."
-            )
+            if not self.rollback_tokens:
+                raise NotImplementedError(
+                    "KimiK3Cache cannot crop: KDA recurrent states cannot be un-updated; build the cache with "
+                    "KimiK3Cache(config, rollback_tokens=N) to keep what rolling back the last N tokens needs "
+                    "(generate does this for assisted decoding)"
+                )
+            for layer in self.kda_layers:
+                self._roll_back_kda(layer, length - max_length)
         for layer in self.mla_layers:
             self.lengths[layer] = max_length
 

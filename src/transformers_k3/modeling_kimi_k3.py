@@ -126,7 +126,7 @@ class KimiK3DeltaAttention(nn.Module):
         conv_states, recurrent = cache.get_kda_state(self.layer_idx) if cache is not None else (None, None)
         conv_states = conv_states or (None, None, None)
         want_state = cache is not None
-        qkv, new_conv = [], []
+        qkv, new_conv, pre_conv = [], [], []
         for proj, conv, state in zip(
             (self.q_proj, self.k_proj, self.v_proj), (self.q_conv1d, self.k_conv1d, self.v_conv1d), conv_states
         ):
@@ -137,11 +137,13 @@ class KimiK3DeltaAttention(nn.Module):
                     f"layer {self.layer_idx}: the depthwise short convs (q_conv1d, k_conv1d, v_conv1d) cannot be "
                     f"adapted or replaced (found {type(conv).__name__}); leave them out of target_modules"
                 )
+            px = proj(x)  # [B, T, H*K]
             y, s = dispatch.causal_conv1d(
-                proj(x), conv.weight, initial_state=state, output_final_state=want_state, cu_seqlens=cu_seqlens
+                px, conv.weight, initial_state=state, output_final_state=want_state, cu_seqlens=cu_seqlens
             )
             qkv.append(y.view(B, T, H, K))  # [B, T, H, K]
             new_conv.append(s)
+            pre_conv.append(px)
         q, k, v = qkv
         z = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
         g = kda_gate(z, self.A_log, self.dt_bias, self.lower_bound)  # fp32 [B, T, H, K]
@@ -149,7 +151,39 @@ class KimiK3DeltaAttention(nn.Module):
         if pad_mask is not None:
             g = g * pad_mask[..., None, None]
             beta = beta * pad_mask[..., None]
-        chunk_kda, recurrent_kda = dispatch.kda_ops(self.config.kda_backend, x.device.type, head_dim=K)
+        ops = dispatch.kda_ops(self.config.kda_backend, x.device.type, head_dim=K)
+        rollback = cache.rollback_tokens if cache is not None else 0
+        head = None
+        if rollback:
+            # Keep what `cache.crop` needs to roll back into the last `rollback` tokens: run the recurrence up to
+            # the window, save the states there and the window's inputs, then run the window.
+            split = max(0, T - rollback)
+            if split:
+                head, recurrent = self._recurrence(ops, *(t[:, :split] for t in (q, k, v, g, beta)), recurrent,
+                                                   True, None)
+            width = self.conv_size - 1
+            conv_before = []
+            for state, px in zip(conv_states, pre_conv):  # the conv states at the window start: [B, D, W-1]
+                state = px.new_zeros(B, px.shape[-1], width, dtype=torch.float32) if state is None else state
+                full = torch.cat([state, px[:, :split].float().transpose(1, 2)], dim=-1)  # [B, D, W-1 + split]
+                conv_before.append(full[..., full.shape[-1] - width:])
+            q, k, v, g, beta = (t[:, split:] for t in (q, k, v, g, beta))
+            cache.save_rollback(self.layer_idx, tuple(conv_before), None if recurrent is None else recurrent.clone(),
+                                tuple(px[:, split:] for px in pre_conv), (q, k, v, g, beta))
+        o, final = self._recurrence(ops, q, k, v, g, beta, recurrent, want_state, cu_seqlens)
+        if head is not None:
+            o = torch.cat([head, o], dim=1)  # [B, T, H, V]
+        if cache is not None:
+            cache.update_kda_state(self.layer_idx, tuple(new_conv), final)
+        o = self.o_norm(o.float()).to(x.dtype)  # per-head RMSNorm in fp32 with the fp32 weight
+        gate = torch.sigmoid(self.g_proj(x)).view(B, T, H, K)
+        return self.o_proj((gate * o).reshape(B, T, H * K))
+
+    @staticmethod
+    def _recurrence(ops, q, k, v, g, beta, recurrent, want_state, cu_seqlens):
+        """The KDA core over these tokens: the decode kernel for a few cached tokens, the chunked one otherwise."""
+        chunk_kda, recurrent_kda = ops
+        T = q.shape[1]
         kda = recurrent_kda if (recurrent is not None and T <= 4) else chunk_kda
         extra = {}
         if (
@@ -161,15 +195,10 @@ class KimiK3DeltaAttention(nn.Module):
             # Decode on the Triton kernel updates the cache's fp32 state in place (no second [B, H, K, V]
             # buffer per step); `final` is then that same tensor and the cache stores it back unchanged.
             extra["inplace_final_state"] = True
-        o, final = kda(
+        return kda(
             q, k, v, g, beta, initial_state=recurrent, output_final_state=want_state,
             cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True, **extra,
         )
-        if cache is not None:
-            cache.update_kda_state(self.layer_idx, tuple(new_conv), final)
-        o = self.o_norm(o.float()).to(x.dtype)  # per-head RMSNorm in fp32 with the fp32 weight
-        gate = torch.sigmoid(self.g_proj(x)).view(B, T, H, K)
-        return self.o_proj((gate * o).reshape(B, T, H * K))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -564,7 +593,8 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_attention_backend = True
-    _is_stateful = True
+    # transformers reads this only to refuse assisted generation; the cache can roll KDA states back (rollback_tokens).
+    _is_stateful = False
     _can_compile_fullgraph = False
     # The precision contract: these stay fp32 whatever dtype the model is loaded in.
     _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "o_norm",
@@ -819,14 +849,32 @@ class KimiK3Model(KimiK3PreTrainedModel):
         return out.view(B, T, d), [b.view(B, T, d) for b in new_blocks]
 
 
+# How far back a cache made for assisted generation can be cropped. Transformers' assistant drafts at most
+# `num_assistant_tokens` (default 20, grown by its heuristic) and prompt lookup `prompt_lookup_num_tokens` (default
+# 10) tokens a round; a longer draft makes `crop` raise with the numbers.
+ASSISTED_ROLLBACK_TOKENS = 64
+
+
 class _KimiK3GenerationMixin:
     """Plug the hybrid cache into generate (transformers would otherwise build a DynamicCache)."""
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        from transformers.generation.utils import GenerationMode
+
+        mode = args[0] if args else kwargs.get("generation_mode")
+        # Assisted / prompt-lookup decoding crops the cache after verifying the draft tokens, and the assistant
+        # model's own cache after the main model rejects its drafts: such caches keep what rolling the KDA states
+        # back needs (ASSISTED_ROLLBACK_TOKENS covers transformers' draft lengths plus the verified token).
+        assisted = mode == GenerationMode.ASSISTED_GENERATION or getattr(generation_config, "is_assistant", False)
         user_cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         if user_cache is not None:
             if not isinstance(user_cache, KimiK3Cache):
                 raise TypeError(f"Kimi K3 generates with a KimiK3Cache, got {type(user_cache).__name__}")
+            if assisted and not user_cache.is_croppable:
+                raise ValueError(
+                    "assisted decoding crops the cache after verifying drafts: pass "
+                    f"KimiK3Cache(config, rollback_tokens={ASSISTED_ROLLBACK_TOKENS}) (or leave the cache to generate)"
+                )
             return
         if generation_config.use_cache is False:
             return
@@ -835,7 +883,8 @@ class _KimiK3GenerationMixin:
             raise ValueError(
                 f"cache_implementation={impl!r} is not supported by Kimi K3: it uses its own hybrid paged cache"
             )
-        model_kwargs[CACHE_KWARG] = KimiK3Cache(self.config)
+        rollback = ASSISTED_ROLLBACK_TOKENS if assisted else 0
+        model_kwargs[CACHE_KWARG] = KimiK3Cache(self.config, rollback_tokens=rollback)
 
     def _supports_default_dynamic_cache(self):
         return False

@@ -62,8 +62,9 @@ def test_crop_raises_and_reset_clears(lm):
     lm(input_ids=torch.randint(0, 500, (1, 5)), cache=cache, use_cache=True)
     assert cache.get_seq_length() == 5 and cache.has_previous_state()
     assert not cache.is_croppable
-    with pytest.raises(NotImplementedError, match="KDA"):
-        cache.crop(3)
+    cache.crop(0)  # transformers' "remove nothing"
+    with pytest.raises(NotImplementedError, match="rollback_tokens"):
+        cache.crop(-2)
     with pytest.raises(NotImplementedError, match="latent"):
         cache.update(torch.zeros(1), torch.zeros(1), 3)
     snap = cache.snapshot_kda()
@@ -78,3 +79,52 @@ def test_cache_refuses_wrong_batch(lm):
     lm(input_ids=torch.randint(0, 500, (2, 4)), cache=cache, use_cache=True)
     with pytest.raises(ValueError, match="batch size"):
         lm(input_ids=torch.randint(0, 500, (3, 1)), cache=cache, use_cache=True)
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("prefix", [3, 20], ids=["window_covers_the_prefill", "window_inside_a_long_prefill"])
+def test_crop_rolls_back_kda_and_mla(lm, prefix):
+    """A rejected draft is rolled back: KDA states replayed from the saved window, MLA shortened; the continuation
+    then equals the cache-free forward (fp32, 5e-5). Two crops in a row, crop(0), and too far back."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 500, (2, prefix + 6), generator=g)
+    full = lm(input_ids=x, use_cache=False).logits
+    cache = KimiK3Cache(lm.config, rollback_tokens=8)
+    assert cache.is_croppable
+    first = lm(input_ids=x[:, :prefix], cache=cache, use_cache=True).logits
+    lm(input_ids=torch.randint(0, 500, (2, 5), generator=g), cache=cache, use_cache=True)  # the draft
+    cache.crop(0)
+    cache.crop(-2)
+    cache.crop(-3)  # the second crop goes further back inside the same window
+    assert cache.get_seq_length() == prefix
+    rest = lm(input_ids=x[:, prefix:], cache=cache, use_cache=True).logits
+    assert _rel(torch.cat([first, rest], 1), full) < 5e-5
+    # the last forward kept 6 tokens: rolling back 7 is refused, with the numbers
+    with pytest.raises(ValueError, match="keeps the last 6"):
+        cache.crop(-7)
+
+
+@torch.no_grad()
+def test_assisted_and_prompt_lookup_generation_equal_greedy(lm, monkeypatch, tmp_path):
+    """Generate's assisted modes verify drafts and crop the rejected ones; greedy output must not change."""
+    from transformers_k3 import KimiK3ForConditionalGeneration
+    from transformers_k3.tiny import write_tiny_checkpoint
+
+    removed = []
+    real_crop = KimiK3Cache.crop
+    monkeypatch.setattr(KimiK3Cache, "crop", lambda self, n: removed.append(n) or real_crop(self, n))
+    pattern = torch.randint(0, 500, (1, 5), generator=torch.Generator().manual_seed(4))
+    prompt = pattern.repeat(1, 3)  # repeats give prompt lookup drafts to propose
+    greedy = lm.generate(prompt, max_new_tokens=12, do_sample=False)
+    lookup = lm.generate(prompt, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3)
+    assert torch.equal(lookup, greedy)
+    other = tmp_path / "assistant"
+    write_tiny_checkpoint(other, seed=1, dtype=torch.float32)  # a different random model: most of its drafts are rejected
+    assistant = KimiK3ForConditionalGeneration.from_pretrained(other, dtype=torch.float32).language_model.eval()
+    assisted = lm.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=assistant)
+    assert torch.equal(assisted, greedy)
+    assert any(n < 0 for n in removed)  # drafts really were rolled back

@@ -195,8 +195,9 @@ def test_generate_rejects_unsupported_modes(lm):
     x = ids(1, 5)
     with pytest.raises(ValueError, match="cache_implementation"):
         lm.generate(x, max_new_tokens=2, cache_implementation="static")
-    with pytest.raises(Exception):
-        lm.generate(x, max_new_tokens=2, assistant_model=lm)
+    # A user cache built without rollback cannot serve assisted decoding.
+    with pytest.raises(ValueError, match="rollback_tokens"):
+        lm.generate(x, max_new_tokens=2, prompt_lookup_num_tokens=2, **{CACHE_KWARG: KimiK3Cache(lm.config)})
 
 
 @torch.no_grad()
