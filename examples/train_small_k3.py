@@ -501,29 +501,10 @@ def main(argv=None):
         print(f"[eval] recall @ {mult}x ({length} tokens): {acc:.2%} of {recall_n}  e.g. {samples[:1]}", flush=True)
 
     # ---- save in the released layout
-    out = Path(args.out)
-    if out.exists():
-        for f in out.iterdir():
-            if f.is_file():
-                f.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    model.config.text_config.kda_backend = "auto"
-    model.to("cpu").to(torch.bfloat16)  # precision-contract tensors stay fp32 (KimiK3PreTrainedModel._apply)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    from safetensors import safe_open
+    from transformers_k3.tiny import save_small_checkpoint
 
-    keys = []
-    for f in sorted(out.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as sf:
-            keys += list(sf.keys())
-    packed = [k for k in keys if k.endswith(".weight_packed")]
-    if not packed:
-        raise RuntimeError("save_pretrained wrote no *.weight_packed expert tensors (MXFP4 block missing?)")
-    size_mb = sum(f.stat().st_size for f in out.iterdir() if f.is_file()) / 1e6
-    print(f"[save] {out}: {size_mb:.1f} MB, {len(keys)} tensors, {len(packed)} *.weight_packed", flush=True)
-    if size_mb > 40:
-        warnings.warn(f"saved checkpoint is {size_mb:.1f} MB (> 40 MB target)")
+    saved = save_small_checkpoint(model, args.out, tokenizer, max_mb=40)
+    size_mb, n_packed = saved["mb"], saved["n_weight_packed"]
 
     # ---- evidence
     ev = Path(args.evidence)
@@ -538,7 +519,7 @@ def main(argv=None):
         "moe_balancing": balancing, "params": params, "vocab_size": vocab_size, "bpe_ranks": n_bpe,
         "special_token_ids": special_ids, "final_train_loss": final_train, "val_loss": vloss,
         "trainer_train_loss": result.training_loss, "recall": recall_res, "checkpoint_mb": size_mb,
-        "n_weight_packed": len(packed), "history": history,
+        "n_weight_packed": n_packed, "history": history,
         "config": {k: getattr(config.text_config, k) for k in (
             "hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_token", "moe_intermediate_size",
             "routed_expert_hidden_size", "attn_res_block_size", "layer_types")},

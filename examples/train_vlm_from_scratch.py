@@ -628,30 +628,9 @@ def run_one(init: str, processor, layout, train: Corpus, held: Corpus, args, hp:
 
 
 def save_released_layout(model, processor, out: Path) -> dict:
-    from safetensors import safe_open
+    from transformers_k3.tiny import save_small_checkpoint
 
-    if out.exists():
-        for f in out.iterdir():
-            if f.is_file():
-                f.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    model.config.text_config.kda_backend = "auto"
-    model.to("cpu").to(torch.bfloat16)  # precision-contract tensors stay fp32 (KimiK3PreTrainedModel._apply)
-    model.save_pretrained(out)
-    processor.save_pretrained(out)
-    keys = []
-    for f in sorted(out.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as sf:
-            keys += list(sf.keys())
-    packed = [k for k in keys if k.endswith(".weight_packed")]
-    if not packed:
-        raise RuntimeError("save_pretrained wrote no *.weight_packed expert tensors (MXFP4 block missing?)")
-    size_mb = sum(f.stat().st_size for f in out.iterdir() if f.is_file()) / 1e6
-    print(f"[save] {out}: {size_mb:.1f} MB, {len(keys)} tensors, {len(packed)} *.weight_packed", flush=True)
-    if size_mb > 20:
-        warnings.warn(f"saved checkpoint is {size_mb:.1f} MB (> 20 MB target)")
-    return {"dir": str(out), "mb": size_mb, "n_tensors": len(keys), "n_weight_packed": len(packed),
-            "files": sorted(f.name for f in out.iterdir() if f.is_file())}
+    return save_small_checkpoint(model, out, processor, max_mb=20)
 
 
 def grad_norm_stats(history: list) -> dict:

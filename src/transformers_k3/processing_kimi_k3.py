@@ -20,6 +20,8 @@ processor) takes precedence.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 
 from transformers.image_processing_utils import BatchFeature
@@ -86,9 +88,6 @@ class KimiK3Processor(ProcessorMixin):
 
         if not isinstance(AutoImageProcessor, DummyObject):
             return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
-        import json
-        import os
-
         path = str(pretrained_model_name_or_path)
         config_file = os.path.join(path, "processor_config.json")
         if not os.path.isfile(config_file):

@@ -67,3 +67,39 @@ def write_tiny_checkpoint(path, seed: int = 0, dtype: torch.dtype = torch.bfloat
     model.to(dtype)  # the precision-contract tensors stay fp32 (KimiK3PreTrainedModel._apply)
     model.save_pretrained(path)
     return path
+
+
+def save_small_checkpoint(model, out, *companions, max_mb: float | None = None) -> dict:
+    """Save a trained small model into `out` in the released layout (bf16, MXFP4 experts) with its tokenizer or
+    processor (`companions`), replacing the files already there; check that the experts really went out packed.
+
+    Returns `{"dir", "mb", "n_tensors", "n_weight_packed", "files"}`; warns when the folder exceeds `max_mb`.
+    """
+    import warnings
+
+    from safetensors import safe_open
+
+    out = Path(out)
+    if out.exists():
+        for f in out.iterdir():
+            if f.is_file():
+                f.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.get_text_config().kda_backend = "auto"
+    model.to("cpu").to(torch.bfloat16)  # precision-contract tensors stay fp32 (KimiK3PreTrainedModel._apply)
+    model.save_pretrained(out)
+    for companion in companions:
+        companion.save_pretrained(out)
+    keys = []
+    for f in sorted(out.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as sf:
+            keys += list(sf.keys())
+    packed = [k for k in keys if k.endswith(".weight_packed")]
+    if not packed:
+        raise RuntimeError("save_pretrained wrote no *.weight_packed expert tensors (MXFP4 block missing?)")
+    size_mb = sum(f.stat().st_size for f in out.iterdir() if f.is_file()) / 1e6
+    print(f"[save] {out}: {size_mb:.1f} MB, {len(keys)} tensors, {len(packed)} *.weight_packed", flush=True)
+    if max_mb is not None and size_mb > max_mb:
+        warnings.warn(f"saved checkpoint is {size_mb:.1f} MB (> {max_mb:g} MB target)")
+    return {"dir": str(out), "mb": size_mb, "n_tensors": len(keys), "n_weight_packed": len(packed),
+            "files": sorted(f.name for f in out.iterdir() if f.is_file())}
