@@ -119,6 +119,13 @@ def _kda_cases():
         q, q, q, g, beta, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **gate)
     for split in (False, True):  # the 16-token kernel, with and without the parallel w/u0 prep kernel
         yield f"kda chunk16 split={split}", lambda: chunk_kda_fwd(q, q, q, g, beta, chunk_size=16, split=split)
+    yield "kda chunk64 fused", lambda: chunk_kda_fwd(q, q, q, g, beta, chunk_size=64, output_final_state=True)
+    for cs in (16, 64):  # output="stored": prep writing qg/kd/Aqk, state kernel storing h, parallel output kernel
+        yield f"kda chunk{cs} stored", lambda: chunk_kda_fwd(q, q, q, g, beta, chunk_size=cs, output="stored",
+                                                             output_final_state=True)
+        yield f"kda chunk{cs} stored bf16 h, block_v 64", lambda: chunk_kda_fwd(
+            q, q, q, g, beta, chunk_size=cs, output="stored", h_dtype=torch.bfloat16, block_v=64, out_block_v=128,
+            use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **gate)
     try:
         from k3_kernels.kda.triton_chunk_bwd import chunk_kda_bwd
     except ImportError:

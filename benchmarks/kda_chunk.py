@@ -13,6 +13,7 @@ timed case (rel err = max|a - b| / max|b| of o and the final state against fla a
                                                                    # autotunes for minutes)
     python benchmarks/kda_chunk.py --no-fla --long --chunk-size 64 --block-v 32 --num-warps 4 --num-stages 2
     TRITON_INTERPRET=1 python benchmarks/kda_chunk.py --check-only --device cpu --no-fla   # CPU smoke
+    python benchmarks/kda_chunk.py --no-fla --stored    # output="stored" vs "fused" at T = 8K, per-kernel ms
 
 --sweep first times the 64-token kernel over block_v x num_warps x num_stages (state loop), then prep_num_warps
 and state_dot at the best of those, and the 16-token split kernel over block_v x num_warps, all at T = 8K; the
@@ -22,6 +23,7 @@ best configuration of each is then used for the table (unless given on the comma
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 
 import torch
@@ -29,6 +31,8 @@ import triton
 
 from k3_kernels.kda import reference as R
 from k3_kernels.kda.triton_chunk import chunk_kda_fwd
+
+print = functools.partial(print, flush=True)  # noqa: A001 - progress visible when piped (device runs)
 
 H, K, V = 96, 128, 128
 CEIL_MS_8K = 0.23
@@ -92,6 +96,8 @@ def variants(args):
         out.append((f"ours c{c}{' split' if c == 16 else ''}", c, tune))
         if c == 16 and args.fused16:
             out.append(("ours c16 fused", 16, dict(tune, split=False)))
+        if args.stored:
+            out.append((f"ours c{c} stored", c, dict(tune, output="stored")))
     return out
 
 
@@ -181,6 +187,94 @@ def sweep(args):
 
 TUNE = {16: {}, 64: {}}
 
+_KERNELS = ("_kda_chunk_prep_kernel", "_kda_chunk64_prep_kernel", "_kda_chunk64_state_kernel",
+            "_kda_chunk_fwd_kernel", "_kda_chunk_output_kernel")
+
+
+def breakdown(fn, iters=20):
+    """Per-kernel ms of one call of fn: torch.cuda.Event pairs around every launch of our Triton kernels
+    (their `.run` wrapped on the instance), averaged over iters calls after a warm-up call."""
+    import k3_kernels.kda.triton_chunk as tc
+
+    events, saved = [], {}
+    for name in _KERNELS:
+        kern = getattr(tc, name)
+        saved[name] = kern.run
+
+        def run(*a, _name=name, _orig=kern.run, **kw):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            r = _orig(*a, **kw)
+            e1.record()
+            events.append((_name, e0, e1))
+            return r
+
+        kern.run = run
+    try:
+        fn()
+        torch.cuda.synchronize()
+        events.clear()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    finally:
+        for name, run in saved.items():
+            getattr(tc, name).run = run
+    ms = {}
+    for name, e0, e1 in events:
+        ms[name] = ms.get(name, 0.0) + e0.elapsed_time(e1) / iters
+    return ms
+
+
+def stored_sweep(args, fla):
+    """--stored: at T = 8K, fla vs fused 16 / 64 vs output="stored" 16 / 64 over block_v x state num_warps x
+    output num_warps, then a per-kernel breakdown of the best config of each variant."""
+    x = inputs(8192)
+    fmt = lambda t: "failed" if t == math.inf else f"{t:.3f}"  # noqa: E731
+    print("## output='stored' vs 'fused', T = 8K (H = 96, K = V = 128, bf16)\n", flush=True)
+    best = {}
+    if fla is not None:
+        fla(x)  # autotune outside the timing
+        best["fla"] = (bench(lambda: fla(x)), {})
+        print(f"fla: {best['fla'][0]:.3f} ms\n", flush=True)
+    for c in (16, 64):
+        tune = dict(TUNE[c])
+        best[f"fused-{c}"] = (try_bench(lambda: ours(x, chunk_size=c, **tune)), tune)
+        print(f"fused-{c} {tune or 'defaults'}: {fmt(best[f'fused-{c}'][0])} ms", flush=True)
+    print("\n| variant | block_v | state num_warps | out num_warps | ms |\n|---|---|---|---|---|", flush=True)
+    for c in (16, 64):
+        b = (math.inf, None)
+        for bv in (32, 64):
+            for nw in (2, 4, 8):
+                for onw in (4, 8):
+                    cfg = dict(output="stored", block_v=bv, num_warps=nw, out_num_warps=onw)
+                    t = try_bench(lambda: ours(x, chunk_size=c, **cfg))
+                    print(f"| stored-{c} | {bv} | {nw} | {onw} | {fmt(t)} |", flush=True)
+                    b = min(b, (t, cfg), key=lambda p: p[0])
+        best[f"stored-{c}"] = b
+    print("\n| variant | best config | ms | " + " | ".join(n.replace("_kda_", "") for n in _KERNELS) +
+          " |\n|---|---|---|" + "---|" * len(_KERNELS), flush=True)
+    for name, (t, cfg) in best.items():
+        if name == "fla" or cfg is None or t == math.inf:
+            print(f"| {name} | - | {fmt(t)} |" + " - |" * len(_KERNELS), flush=True)
+            continue
+        c = int(name.split("-")[1])
+        ms = breakdown(lambda: ours(x, chunk_size=c, **cfg))
+        print(f"| {name} | {cfg} | {t:.3f} | " + " | ".join(f"{ms[n]:.3f}" if n in ms else "-" for n in _KERNELS)
+              + " |", flush=True)
+    # correctness of the best stored configs at the timed size, against fused-64 (and fla when present)
+    o_f, S_f = ours(x, chunk_size=64, **TUNE[64])
+    ref = fla(x) if fla is not None else None
+    for c in (16, 64):
+        cfg = best[f"stored-{c}"][1]
+        if cfg is None:
+            continue
+        o, S = ours(x, chunk_size=c, **cfg)
+        line = f"stored-{c} vs fused-64: o {rel(o, o_f):.2e} S {rel(S, S_f):.2e}"
+        if ref is not None:
+            line += f"; vs fla: o {rel(o, ref[0]):.2e} S {rel(S, ref[1]):.2e}"
+        print("-", line, flush=True)
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -197,6 +291,8 @@ def main():
     ap.add_argument("--lowp-buffers", action="store_true", default=None, help="chunk-64: kd, Aqk stored in bf16")
     ap.add_argument("--sweep", action="store_true", help="tune our kernels at T = 8K first (see above)")
     ap.add_argument("--bwd", action="store_true", help="also time forward + backward at T = 8K (ours: chunk_kda)")
+    ap.add_argument("--stored", action="store_true",
+                    help="only the output='stored' vs 'fused' comparison at T = 8K (sweep + per-kernel breakdown)")
     ap.add_argument("--check-only", action="store_true", help="only the small-shape correctness check")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
@@ -214,6 +310,9 @@ def main():
     print(f"GPU {gpu}, torch {torch.__version__}, triton {triton.__version__}, fla {'yes' if fla else 'no'}\n")
     check(fla, args)
     if args.check_only:
+        return
+    if args.stored:
+        stored_sweep(args, fla)
         return
     if args.sweep:
         sweep(args)

@@ -48,6 +48,15 @@ chunks per (sequence, head, V-block)) then only does u = u0 - w S, o = qg S + Aq
 S <- e^{G_last} S + kd^T u. Chunks never cross a sequence boundary (per-sequence chunk indices, the last
 chunk of a sequence partial and masked). Precision of the buffers and dots: see ``_chunk64_fwd``.
 
+Stored states + parallel output (``output="stored"``, both chunk sizes; fla's chunk_kda layout; default
+stays ``"fused"`` until H200 numbers decide, ``benchmarks/kda_chunk.py --stored``): the loop above still
+carries four dependent products per chunk. With "stored" the sequential kernel (the 64-token state kernel,
+also run with BT = 16) only does u = u0 - w S (written to v_new, fp32) and S <- e^{G_last} S + kd^T u, and
+stores the state at the START of every chunk into h [chunks, H, K, V] (fp32, or bf16 with ``h_dtype``);
+``_kda_chunk_output_kernel`` then computes o = qg h + Aqk u parallel over (chunk, head, V-block). The 16-token
+prep kernel writes qg, kd, Aqk and G_last for it (``STORE_QKA``), as the 64-token prep already does. Cost: h
+written and read once (chunks * H * K * V * 4 bytes, 4x more at chunk 16 than at 64).
+
 Backward: :func:`chunk_kda` is a ``torch.autograd.Function``. Its backward redoes the cheap elementwise
 preprocessing (gate, beta sigmoid, q/k L2 norm) in torch under autograd, runs the Triton core backward of
 ``triton_chunk_bwd.py`` (derivation in its docstring) for dq, dk, dv, dg, dbeta, dh0 of the post-activation
@@ -191,10 +200,17 @@ def _kda_chunk_fwd_kernel(
 @triton.jit
 def _kda_chunk_prep_kernel(
     q, k, v, g, beta, cu_seqlens, chunk_indices, A_log, dt_bias, w_buf, u_buf, lower_bound,
+    qg_buf, kd_buf, A_buf, gl_buf, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     USE_GATE: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, USE_L2NORM: tl.constexpr, DOT_BF16: tl.constexpr,
+    STORE_QKA: tl.constexpr = False,
 ):
-    """Per (chunk, head), fully parallel: w = X diag(beta) k e^G [BT, K] and u0 = X diag(beta) v [BT, V]."""
+    """Per (chunk, head), fully parallel: w = X diag(beta) k e^G [BT, K] and u0 = X diag(beta) v [BT, V].
+
+    STORE_QKA (``output="stored"``): also qg = s q e^G [BT, K], kd = k e^{G_last - G} [BT, K], the causal
+    Aqk [BT, BT] (row-major per token: A_buf [B, T, H, BT]) and G_last [K] at gl_buf[global chunk, head], so
+    the state kernel and the parallel output kernel need no q, k, g (the layout of the 64-token prep).
+    """
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     i_n = tl.load(chunk_indices + 2 * i_c)
@@ -237,6 +253,20 @@ def _kda_chunk_prep_kernel(
     u0 = tl.dot(X, b_beta[:, None] * b_v, input_precision="ieee")
     tl.store(w_buf + p_qk, w.to(w_buf.dtype.element_ty), mask=m_qk)
     tl.store(u_buf + p_v, u0.to(u_buf.dtype.element_ty), mask=m_qk)
+    if STORE_QKA:
+        # the S-independent rest of the fused kernel's loop body (same formulas, same dot modes)
+        b_q = tl.load(q + p_qk, mask=m_qk, other=0.0).to(tl.float32)
+        if USE_L2NORM:
+            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)[:, None]
+        qg = b_q * scale * tl.exp(gc)
+        Aqk = tl.where(o_t[:, None] >= o_t[None, :], _mm(qg, tl.trans(kn), DOT_BF16), 0.0)
+        g_last = tl.sum(tl.where(o_t[:, None] == BT - 1, gc, 0.0), axis=0)  # [K]
+        kd = b_k * tl.exp(g_last[None, :] - gc)
+        tl.store(qg_buf + p_qk, qg.to(qg_buf.dtype.element_ty), mask=m_qk)
+        tl.store(kd_buf + p_qk, kd.to(kd_buf.dtype.element_ty), mask=m_qk)
+        p_a = (rows[:, None] * H + i_h) * BT + o_t[None, :]
+        tl.store(A_buf + p_a, Aqk.to(A_buf.dtype.element_ty), mask=m_qk)
+        tl.store(gl_buf + (i_c * H + i_h).to(tl.int64) * K + o_k, g_last)
 
 
 # --------------------------------------------------------------------------- #
@@ -484,14 +514,21 @@ def _kda_chunk64_prep_kernel(
 
 @triton.jit
 def _kda_chunk64_state_kernel(
-    w_buf, u_buf, qg_buf, kd_buf, A_buf, gl_buf, o, h0, ht, cu_seqlens, chunk_offsets, T, NT,
+    w_buf, u_buf, qg_buf, kd_buf, A_buf, gl_buf, o, h0, ht, cu_seqlens, chunk_offsets, T, NT, h_buf, vn_buf,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr, STATE_DOT: tl.constexpr,
+    STORED: tl.constexpr = False,
 ):
     """Per (sequence, head, V-block), sequential over 64-token chunks: only the products with the state.
 
     u = u0 - w S;  o = qg S + Aqk u;  S <- e^{G_last} S + kd^T u   (dots [64, K] x [K, BV], [K, 64] x [64, BV]).
     The loads of a chunk do not depend on S, so the compiler's software pipelining (num_stages) can prefetch.
+    Nothing here depends on BT = 64: the 16-token ``output="stored"`` path runs it with BT = 16.
+
+    STORED (``output="stored"``): o is not computed here; instead the state at the START of each chunk goes
+    to h_buf [global chunk, H, K, V] and u (fla's "v_new") to vn_buf [B, T, H, V], and
+    ``_kda_chunk_output_kernel`` computes o = qg h + Aqk u for all chunks in parallel. The loop then carries
+    only two dependent dots per chunk (w S, kd^T u) instead of four.
     """
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -522,18 +559,70 @@ def _kda_chunk64_state_kernel(
         p_v = (rows[:, None] * H + i_h) * V + o_v[None, :]
         m2 = m_t[:, None]
         b_w = tl.load(w_buf + p_k, mask=m2, other=0.0)
-        b_qg = tl.load(qg_buf + p_k, mask=m2, other=0.0)
         b_kd = tl.load(kd_buf + p_k, mask=m2, other=0.0)
-        b_A = tl.load(A_buf + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=m2, other=0.0)
-        b_A = tl.where(causal, b_A, 0.0)
         b_u = tl.load(u_buf + p_v, mask=m2, other=0.0)
         b_gl = tl.load(gl_buf + ((c0 + i_t) * H + i_h) * K + o_k)
-        b_u = b_u - _mm64(b_w, S, STATE_DOT)  # [BT, BV]
-        b_o = _mm64(b_qg, S, STATE_DOT) + _mm64(b_A, b_u, STATE_DOT)
-        tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m2)
+        if STORED:
+            # state entering chunk c0 + i_t, [K, BV] slice of h_buf[c0 + i_t, i_h]
+            p_h = (((c0 + i_t) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
+            tl.store(h_buf + p_h, S.to(h_buf.dtype.element_ty))
+            b_u = b_u - _mm64(b_w, S, STATE_DOT)  # [BT, BV]
+            tl.store(vn_buf + p_v, b_u.to(vn_buf.dtype.element_ty), mask=m2)
+        else:
+            b_qg = tl.load(qg_buf + p_k, mask=m2, other=0.0)
+            b_A = tl.load(A_buf + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=m2, other=0.0)
+            b_A = tl.where(causal, b_A, 0.0)
+            b_u = b_u - _mm64(b_w, S, STATE_DOT)  # [BT, BV]
+            b_o = _mm64(b_qg, S, STATE_DOT) + _mm64(b_A, b_u, STATE_DOT)
+            tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m2)
         S = S * tl.exp(b_gl)[:, None] + _mm64(tl.trans(b_kd), b_u, STATE_DOT)
     if STORE_FINAL:
         tl.store(ht + p_state, S)
+
+
+@triton.jit
+def _kda_chunk_output_kernel(
+    qg_buf, A_buf, u_buf, h_buf, o, cu_seqlens, chunk_indices, T, NT,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, QH_DOT: tl.constexpr, AU_DOT: tl.constexpr,
+):
+    """``output="stored"``: per (chunk, head, V-block), fully parallel: o = qg h_chunk + Aqk u.
+
+    h_chunk = h_buf[global chunk, head] is the state at the start of the chunk (written by the state kernel
+    with STORED), u = u0 - w h_chunk its "v_new". Same product modes as the fused loop (tf32 against the fp32
+    state for bf16 inputs); qg h is summed over K in BK slices so that num_stages can pipeline the loads.
+    """
+    i_c = tl.program_id(0)  # global chunk index (sequence-major)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + 2 * i_c)
+        i_t = tl.load(chunk_indices + 2 * i_c + 1)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        i_n = i_c // NT
+        i_t = i_c % NT
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+    L = eos - bos
+    o_t = tl.arange(0, BT)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_t = i_t * BT + o_t < L
+    rows = bos + i_t * BT + o_t  # [BT] flat token index
+    m2 = m_t[:, None]
+    h_base = (i_c.to(tl.int64) * H + i_h) * K * V
+    acc = tl.zeros([BT, BV], dtype=tl.float32)
+    for i_k in range(0, K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_qg = tl.load(qg_buf + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m2, other=0.0)
+        b_h = tl.load(h_buf + h_base + o_k[:, None] * V + o_v[None, :])
+        acc += _mm64(b_qg, b_h, QH_DOT)
+    b_A = tl.load(A_buf + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=m2, other=0.0)
+    b_A = tl.where(o_t[:, None] >= o_t[None, :], b_A, 0.0)
+    b_u = tl.load(u_buf + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=m2, other=0.0)
+    acc += _mm64(b_A, b_u, AU_DOT)
+    tl.store(o + (rows[:, None] * H + i_h) * V + o_v[None, :], acc.to(o.dtype.element_ty), mask=m2)
 
 
 def _is_pow2(n: int) -> bool:
@@ -544,9 +633,19 @@ def chunk_kda_fwd(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=-5.0,
     use_beta_sigmoid_in_kernel=False, out=None, block_v=None, num_warps=4, split=True, chunk_size=16,
-    num_stages=None, prep_num_warps=None, state_dot=None, lowp_buffers=False,
+    num_stages=None, prep_num_warps=None, state_dot=None, lowp_buffers=False, output="fused", h_dtype=None,
+    out_block_v=None, out_num_warps=None, out_num_stages=None,
 ):
     """Forward only (no autograd). ``out`` (optional, [B, T, H, V], v.dtype) receives the output.
+
+    ``output="fused"`` (default): the sequential kernel computes o itself (the paths described below).
+    ``output="stored"`` (fla's chunk_kda layout, both chunk sizes): prep as below, then the sequential kernel
+    only computes u = u0 - w S ("v_new", fp32 [B, T, H, V]; q.dtype with ``lowp_buffers``) and stores the
+    state at the start of every chunk into h [chunks, H, K, V] (fp32, or ``h_dtype=torch.bfloat16``), then a
+    fully parallel kernel over (chunk, head, V-block) computes o = qg h + Aqk u (see ``_stored_fwd``).
+    Tuning: ``block_v`` / ``num_warps`` / ``num_stages`` for the state kernel, ``prep_num_warps`` for the prep
+    kernel, ``out_block_v`` / ``out_num_warps`` / ``out_num_stages`` for the output kernel (defaults
+    min(V, 64) / 4 / 2).
 
     ``chunk_size=64``: the two-kernel 64-token path (``_kda_chunk64_prep_kernel`` parallel over
     (chunk, head), then ``_kda_chunk64_state_kernel`` sequential over chunks; ``split`` is ignored).
@@ -568,6 +667,10 @@ def chunk_kda_fwd(
         raise ValueError(f"chunk_size must be 16 or 64, got {chunk_size}")
     if state_dot not in (None, "tf32", "bf16"):
         raise ValueError(f"state_dot must be None, 'tf32' or 'bf16', got {state_dot!r}")
+    if output not in ("fused", "stored"):
+        raise ValueError(f"output must be 'fused' or 'stored', got {output!r}")
+    if h_dtype not in (None, torch.float32, torch.bfloat16):
+        raise ValueError(f"h_dtype must be None, torch.float32 or torch.bfloat16, got {h_dtype!r}")
     B, T, H, K, V, N = _ref._validate(q, k, v, g, beta, initial_state, cu_seqlens)
     if not (_is_pow2(K) and _is_pow2(V)):
         raise ValueError(f"K and V must be powers of two >= 16 for the Triton kernel, got K={K}, V={V}")
@@ -606,6 +709,15 @@ def chunk_kda_fwd(
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous() if cu_seqlens is not None else None
     dot_mode = 0 if q.dtype != torch.bfloat16 else 2 if os.environ.get("TRITON_INTERPRET") == "1" else 1
     gate_args = (A_log.contiguous(), dt_bias.contiguous()) if use_gate_in_kernel else (dummy, dummy)
+    if output == "stored":
+        OBV = out_block_v or min(V, 64)
+        if V % OBV or not _is_pow2(OBV):
+            raise ValueError(f"out_block_v must be a power of two >= 16 dividing V = {V}, got {OBV}")
+        _stored_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, float(scale), float(lower_bound),
+                    (B, T, H, K, V, N), chunk_size, BV, OBV, dot_mode, num_warps, num_stages, prep_num_warps,
+                    out_num_warps or 4, out_num_stages, state_dot, bool(lowp_buffers), h_dtype or torch.float32,
+                    (bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel), bool(use_qk_l2norm_in_kernel)))
+        return out, ht
     if chunk_size == 64:
         _chunk64_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, float(scale), float(lower_bound),
                      (B, T, H, K, V, N), BV, dot_mode, num_warps, num_stages, prep_num_warps, state_dot,
@@ -627,7 +739,7 @@ def chunk_kda_fwd(
         if len(idx):
             _kda_chunk_prep_kernel[(len(idx), H)](
                 q, k, v, g, beta, cu_all, chunk_indices, *gate_args, w_buf, u_buf, float(lower_bound),
-                H=H, K=K, V=V, BT=_BT, USE_GATE=bool(use_gate_in_kernel),
+                dummy, dummy, dummy, dummy, 1.0, H=H, K=K, V=V, BT=_BT, USE_GATE=bool(use_gate_in_kernel),
                 USE_BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel), USE_L2NORM=bool(use_qk_l2norm_in_kernel),
                 DOT_BF16=dot_mode, num_warps=num_warps,
             )
@@ -710,7 +822,7 @@ def _chunk64_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, lo
     def launch(stages):
         _kda_chunk64_state_kernel[(N, H, V // BV)](
             w_buf, u_buf, qg_buf, kd_buf, A_buf, gl_buf, out,
-            h0 if h0 is not None else q, ht if ht is not None else q, cu_all, chunk_offsets, T, NT,
+            h0 if h0 is not None else q, ht if ht is not None else q, cu_all, chunk_offsets, T, NT, q, q,
             H=H, K=K, V=V, BT=_BT64, BV=BV, IS_VARLEN=is_varlen, USE_H0=h0 is not None,
             STORE_FINAL=ht is not None, STATE_DOT=st_dot,
             num_warps=num_warps, num_stages=stages,
@@ -725,6 +837,124 @@ def _chunk64_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, lo
         launch(2)
     except triton.runtime.errors.OutOfResources:
         launch(1)
+
+
+def _launch_pipelined(launch, num_stages):
+    # num_stages given: use it; default 2 (double-buffered chunk loads), falling back to 1 when that does
+    # not fit in shared memory for the shape rather than failing
+    if num_stages is not None:
+        launch(num_stages)
+        return
+    try:
+        launch(2)
+    except triton.runtime.errors.OutOfResources:
+        launch(1)
+
+
+_DENSE_LAYOUTS: dict = {}  # (B, T, chunk, device) -> chunk layout tensors of a batch without cu_seqlens
+
+
+def _stored_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, lower_bound, dims, chunk_size, BV,
+                OBV, dot_mode, num_warps, num_stages, prep_num_warps, out_num_warps, out_num_stages, state_dot,
+                lowp_buffers, h_dtype, flags):
+    """``output="stored"``: prep (parallel) -> state kernel storing h and u (sequential) -> output (parallel).
+
+    Buffers as in ``_chunk64_fwd`` (w, qg in q.dtype; kd, Aqk fp32 unless ``lowp_buffers``; u0 fp32), plus
+    h [chunks, H, K, V] in ``h_dtype`` (fp32 default: bf16 rounds the state that every token's qg h reads,
+    ~4e-3 relative) and v_new [B, T, H, V] fp32 (u = u0 - w S is a difference of nearly equal terms when keys
+    repeat, and the fused path multiplies it by Aqk from fp32 registers; q.dtype with ``lowp_buffers``).
+    HBM cost of h: chunks * H * K * V * 4 B written once and read once (at T = 8K, H = 96, K = V = 128:
+    0.8 GB at chunk 64, 3.2 GB at chunk 16, which is why fla stores it at chunk 64 only).
+    """
+    B, T, H, K, V, N = dims
+    use_gate, use_bsig, use_l2 = flags
+    dev = q.device
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    BT = chunk_size
+    # chunk layout, sequence-major; chunks never cross a sequence boundary, a sequence's last one may be
+    # partial. The 16-token prep always reads (sequence, chunk) from chunk_indices; the 64-token prep and the
+    # state / output kernels derive them from the program id when there is no cu_seqlens (NT chunks each).
+    is_varlen = cu_seqlens is not None
+    NT = 0 if is_varlen else triton.cdiv(T, BT)
+    key = (B, T, BT, str(dev))
+    if is_varlen or key not in _DENSE_LAYOUTS:
+        if is_varlen:
+            cs = [int(c) for c in cu_seqlens.tolist()]  # host sync
+        else:
+            cs = [i * T for i in range(B + 1)]
+        nts = [triton.cdiv(cs[n + 1] - cs[n], BT) for n in range(N)]
+        idx = [(n, c) for n in range(N) for c in range(nts[n])]
+        offs = [0]
+        for nt in nts:
+            offs.append(offs[-1] + nt)
+        layout = (len(idx), torch.tensor(cs, dtype=torch.int32, device=dev),
+                  torch.tensor(offs, dtype=torch.int32, device=dev),
+                  torch.tensor(idx, dtype=torch.int32).reshape(-1, 2).to(dev))  # chunk_indices [n_chunks, 2]
+        if not is_varlen:
+            # dense batches: built once per shape, so repeated calls copy nothing from the host (the 16-token
+            # prep reads chunk_indices even without cu_seqlens)
+            if len(_DENSE_LAYOUTS) > 64:
+                _DENSE_LAYOUTS.clear()
+            _DENSE_LAYOUTS[key] = layout
+    else:
+        layout = _DENSE_LAYOUTS[key]
+    n_chunks, cu_all, chunk_offsets, chunk_indices = layout
+    lp = q.dtype if lowp_buffers else torch.float32
+    w_buf = torch.empty(B, T, H, K, dtype=q.dtype, device=dev)
+    qg_buf = torch.empty(B, T, H, K, dtype=q.dtype, device=dev)
+    kd_buf = torch.empty(B, T, H, K, dtype=lp, device=dev)
+    A_buf = torch.empty(B, T, H, BT, dtype=lp, device=dev)
+    u_buf = torch.empty(B, T, H, V, dtype=torch.float32, device=dev)
+    gl_buf = torch.empty(max(n_chunks, 1), H, K, dtype=torch.float32, device=dev)
+    h_buf = torch.empty(max(n_chunks, 1), H, K, V, dtype=h_dtype, device=dev)
+    vn_buf = torch.empty(B, T, H, V, dtype=lp, device=dev)
+    bf16 = q.dtype == torch.bfloat16
+    tf32 = 4 if interp else 3
+    if not bf16:
+        st_dot = 0
+    elif state_dot == "bf16":
+        st_dot = dot_mode
+    else:
+        st_dot = tf32
+    if n_chunks and BT == 64:
+        _kda_chunk64_prep_kernel[(n_chunks, H)](
+            q, k, v, g, beta, cu_all, chunk_indices, *gate_args,
+            w_buf, u_buf, qg_buf, kd_buf, A_buf, gl_buf, scale, lower_bound, T, NT,
+            H=H, K=K, V=V, BS=_BS, IS_VARLEN=is_varlen, USE_GATE=use_gate, USE_BETA_SIGMOID=use_bsig,
+            USE_L2NORM=use_l2, DOT_BF16=dot_mode, WU_DOT=tf32 if bf16 else 0,
+            num_warps=prep_num_warps or (8 if max(K, V) >= 128 else 4),
+        )
+    elif n_chunks:
+        _kda_chunk_prep_kernel[(n_chunks, H)](
+            q, k, v, g, beta, cu_all, chunk_indices, *gate_args, w_buf, u_buf, lower_bound,
+            qg_buf, kd_buf, A_buf, gl_buf, scale, H=H, K=K, V=V, BT=BT, USE_GATE=use_gate,
+            USE_BETA_SIGMOID=use_bsig, USE_L2NORM=use_l2, DOT_BF16=dot_mode, STORE_QKA=True,
+            num_warps=prep_num_warps or num_warps,
+        )
+
+    def launch_state(stages):
+        _kda_chunk64_state_kernel[(N, H, V // BV)](
+            w_buf, u_buf, qg_buf, kd_buf, A_buf, gl_buf, out,
+            h0 if h0 is not None else q, ht if ht is not None else q, cu_all, chunk_offsets, T, NT, h_buf, vn_buf,
+            H=H, K=K, V=V, BT=BT, BV=BV, IS_VARLEN=is_varlen, USE_H0=h0 is not None,
+            STORE_FINAL=ht is not None, STATE_DOT=st_dot, STORED=True,
+            num_warps=num_warps, num_stages=stages,
+        )
+
+    _launch_pipelined(launch_state, num_stages)
+    if not n_chunks:
+        return
+    # qg h: bf16 operands when both are bf16 already (exact products, bf16 MMA rate); else the state mode
+    qh_dot = dot_mode if (bf16 and h_dtype == torch.bfloat16 and st_dot != 0) else st_dot
+
+    def launch_out(stages):
+        _kda_chunk_output_kernel[(n_chunks, H, V // OBV)](
+            qg_buf, A_buf, vn_buf, h_buf, out, cu_all, chunk_indices, T, max(NT, 1),
+            H=H, K=K, V=V, BT=BT, BK=min(K, 64), BV=OBV, IS_VARLEN=is_varlen, QH_DOT=qh_dot, AU_DOT=st_dot,
+            num_warps=out_num_warps, num_stages=stages,
+        )
+
+    _launch_pipelined(launch_out, out_num_stages)
 
 
 def _reference_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, flags):
@@ -744,12 +974,15 @@ def _reference_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqle
 
 class _ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, flags):
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, flags, fwd_options):
+        # fwd_options: extra keyword arguments of chunk_kda_fwd (output, chunk_size, tuning). The backward
+        # recomputes what it needs from the saved inputs, so none of the forward's intermediates is kept.
         use_l2, use_gate, use_bsig, lower_bound = flags
         o, ht = chunk_kda_fwd(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
             cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_l2, use_gate_in_kernel=use_gate,
             A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_bsig,
+            **fwd_options,
         )
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state)
         ctx.cu_seqlens, ctx.scale, ctx.flags = cu_seqlens, scale, flags
@@ -785,7 +1018,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
         it = iter(got)
         result = [next(it) if (t is not None and t.requires_grad) else None for t in inputs]
         result = [r if r is None or s is None else r.to(s.dtype) for r, s in zip(result, saved)]
-        return (*result, None, None, None)
+        return (*result, None, None, None, None)
 
     @staticmethod
     def _backward_triton(ctx, do, dht):
@@ -819,7 +1052,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
         rh0 = dh0 if (h0 is not None and h0.requires_grad) else None
         result = [rq, rk, rv, rg, rbeta, rA, rdt, rh0]
         result = [r if r is None or s is None else r.to(s.dtype) for r, s in zip(result, saved)]
-        return (*result, None, None, None)
+        return (*result, None, None, None, None)
 
 
 def chunk_kda(
@@ -838,6 +1071,8 @@ def chunk_kda(
     dt_bias: torch.Tensor | None = None,
     lower_bound: float = -5.0,
     use_beta_sigmoid_in_kernel: bool = False,
+    output: str = "fused",
+    forward_options: dict | None = None,
 ):
     """Chunked KDA forward (Triton) with autograd.
 
@@ -848,13 +1083,19 @@ def chunk_kda(
 
     Forward: :func:`chunk_kda_fwd` with its defaults (16-token split kernel). Backward: the Triton core backward
     of ``triton_chunk_bwd`` (the elementwise gate / beta / L2-norm preprocessing is differentiated by torch); the
-    fp32 reference recompute is kept selectable (see the module docstring).
+    fp32 reference recompute is kept selectable (see the module docstring). ``output`` ("fused" or "stored")
+    and ``forward_options`` (other keyword arguments of :func:`chunk_kda_fwd`, e.g. ``chunk_size``,
+    ``block_v``) only change the forward kernels; the backward is the same.
     """
+    fwd_options = dict(forward_options or {})
+    if "output" in fwd_options and fwd_options["output"] != output:
+        raise ValueError("output given both as an argument and in forward_options")
+    fwd_options["output"] = output
     if scale is None:
         scale = q.shape[-1] ** -0.5
     flags = (bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel),
              float(lower_bound))
     o, ht = _ChunkKDAFunction.apply(q, k, v, g, beta, A_log if use_gate_in_kernel else None,
                                     dt_bias if use_gate_in_kernel else None, initial_state, cu_seqlens,
-                                    float(scale), flags)
+                                    float(scale), flags, fwd_options)
     return o, (ht if output_final_state else None)

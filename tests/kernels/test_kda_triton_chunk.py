@@ -364,3 +364,135 @@ def test_chunk64_correlated_keys_bf16():
     o_r, S_r = R.fused_recurrent_kda(q.float(), k.float(), v.float(), g, beta.float(), initial_state=x["h0"],
                                      output_final_state=True)
     assert rel_err(o, o_r) <= 2e-2 and rel_err(S, S_r) <= 2e-2
+
+
+# --------------------------------------------------------------------------- #
+# output="stored": the state kernel stores h (state at each chunk start) and u = u0 - w S; a parallel kernel
+# computes o = qg h + Aqk u. Tolerance: the rule above against the reference; against the fused path of the
+# same chunk size <= 1e-4 (fp32) / 1e-2 (bf16: the paths differ only in which intermediates are stored in
+# bf16, measured ~2e-3).
+# --------------------------------------------------------------------------- #
+def _stored_and_fused(x, dtype, chunk_size, **kw):
+    B, T, H, V = x["v"].shape
+    outs = []
+    for output in ("stored", "fused"):
+        out = torch.full((B, T, H, V), float("nan"), dtype=dtype, device=DEVICE)
+        o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
+                             output_final_state=True, out=out, chunk_size=chunk_size, output=output, **kw)
+        assert o is out and torch.isfinite(o).all() and torch.isfinite(S).all()
+        outs.append((o, S))
+    return outs
+
+
+@pytest.mark.parametrize("T", TS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_stored_vs_reference_and_fused(T, dtype, chunk_size):
+    """B = 2, two V-blocks in the state and the output kernels, non-zero initial state, NaN-poisoned out."""
+    x = make_inputs(T=T, K=16, V=32, with_h0=True, dtype=dtype, seed=200 + T, gate_shift=-5.0)
+    (o, S), (o_f, S_f) = _stored_and_fused(x, dtype, chunk_size, block_v=16, out_block_v=16)
+    assert o.dtype == dtype and S.dtype == torch.float32 and S.shape == (2, 2, 16, 32)
+    f = {n: x[n].float() for n in ("q", "k", "v", "g", "beta")}
+    o_r, S_r = R.chunk_kda(f["q"], f["k"], f["v"], f["g"], f["beta"], initial_state=x["h0"], output_final_state=True)
+    tol, tol_f = (1e-4, 1e-4) if dtype == torch.float32 else (2e-2, 1e-2)
+    assert rel_err(o, o_r) <= tol and rel_err(S, S_r) <= tol
+    assert rel_err(o, o_f) <= tol_f and rel_err(S, S_f) <= tol_f
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_stored_varlen_chunk_edges(dtype, chunk_size):
+    """Boundaries on 16- and 64-token edges (16, 64, 128) and off them (1, 17, 130), an empty sequence;
+    in-kernel gate, beta sigmoid and L2 norm; per-sequence initial states; K = V = 32, default tiles."""
+    cu = [0, 1, 16, 17, 64, 64, 128, 130, 200]
+    N, T = len(cu) - 1, cu[-1]
+    x = make_inputs(B=1, T=T, K=32, V=32, with_h0=True, N=N, dtype=dtype, seed=210, gate_shift=-5.0)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+    out = torch.full((1, T, 2, 32), float("nan"), dtype=dtype, device=DEVICE)
+    o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["z"], x["beta_raw"], initial_state=x["h0"],
+                         output_final_state=True, cu_seqlens=cu_t, use_qk_l2norm_in_kernel=True,
+                         use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
+                         use_beta_sigmoid_in_kernel=True, out=out, chunk_size=chunk_size, output="stored",
+                         num_stages=1, out_num_stages=1, out_num_warps=2)
+    assert o is out and torch.isfinite(out).all() and S.shape == (N, 2, 32, 32)
+    o_r, S_r = R.chunk_kda(x["q"].float(), x["k"].float(), x["v"].float(), x["g"], torch.sigmoid(x["beta_raw"]),
+                           initial_state=x["h0"], output_final_state=True, cu_seqlens=cu_t,
+                           use_qk_l2norm_in_kernel=True)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert rel_err(o, o_r) <= tol and rel_err(S, S_r) <= tol
+    assert torch.equal(S[4], x["h0"][4])  # the empty sequence passes its state through
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_stored_low_precision_buffers(chunk_size):
+    """h_dtype=bf16 (stored states rounded) plus lowp_buffers (kd, Aqk, v_new in bf16): 3e-2 rule, as the
+    other low-precision options; the final state never goes through h, only the output does."""
+    x = make_inputs(T=130, K=32, V=32, with_h0=True, dtype=torch.bfloat16, seed=220, gate_shift=-5.0)
+    o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True,
+                         chunk_size=chunk_size, output="stored", h_dtype=torch.bfloat16, lowp_buffers=True)
+    f = {n: x[n].float() for n in ("q", "k", "v", "g", "beta")}
+    o_r, S_r = R.chunk_kda(f["q"], f["k"], f["v"], f["g"], f["beta"], initial_state=x["h0"], output_final_state=True)
+    assert rel_err(o, o_r) <= 3e-2 and rel_err(S, S_r) <= 3e-2
+
+
+def test_stored_correlated_keys_fp32():
+    """Ill-conditioned UT system (repeated keys, beta -> 1, no decay): u = u0 - w S cancels heavily; the
+    fp32 v_new buffer must keep the 1e-4 rule."""
+    x = make_inputs(T=100, K=32, V=32, with_h0=True, seed=5)
+    k = R.l2norm(x["k"][:, :1].expand_as(x["k"]) + 0.01 * x["k"])
+    beta = torch.full_like(x["beta"], 0.999)
+    g = torch.zeros_like(x["g"])
+    o_r, S_r = R.fused_recurrent_kda(x["q"], k, x["v"], g, beta, initial_state=x["h0"], output_final_state=True)
+    for chunk_size in (16, 64):
+        o, S = chunk_kda_fwd(x["q"], k, x["v"], g, beta, initial_state=x["h0"], output_final_state=True,
+                             chunk_size=chunk_size, output="stored")
+        assert rel_err(o, o_r) <= 1e-4 and rel_err(S, S_r) <= 1e-4, chunk_size
+
+
+def test_stored_empty_input_passes_state_through():
+    x = make_inputs(T=1, with_h0=True, seed=230)
+    e = {n: x[n][:, :0] for n in ("q", "k", "v", "g", "beta")}
+    for chunk_size in (16, 64):
+        o, S = chunk_kda_fwd(e["q"], e["k"], e["v"], e["g"], e["beta"], initial_state=x["h0"],
+                             output_final_state=True, chunk_size=chunk_size, output="stored")
+        assert o.shape == (2, 0, 2, 16) and torch.equal(S, x["h0"])
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_chunk_kda_stored_forward_and_gradients(chunk_size):
+    """chunk_kda(output="stored") through autograd: forward and all gradients against the reference (the
+    backward recomputes from the inputs, so it is the same whatever forward ran)."""
+    x = make_inputs(T=33, with_h0=True, seed=240, gate_shift=-5.0)
+    names = ("q", "k", "v", "g", "beta", "h0")
+    ts = [x[n].clone().requires_grad_() for n in names]
+    gen = torch.Generator().manual_seed(2)
+    o_w = torch.randn(2, 33, 2, 16, generator=gen).to(DEVICE)
+    s_w = torch.randn(2, 2, 16, 16, generator=gen).to(DEVICE)
+
+    def ours(q, k, v, g, beta, h0):
+        return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, output="stored",
+                         forward_options=dict(chunk_size=chunk_size, block_v=16))
+
+    def ref(q, k, v, g, beta, h0):
+        return R.fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+
+    o1, S1 = ours(*ts)
+    o2, S2 = ref(*ts)
+    assert rel_err(o1, o2) <= 1e-4 and rel_err(S1, S2) <= 1e-4
+    for n, a, b in zip(names, _grads(ours, ts, o_w, s_w), _grads(ref, ts, o_w, s_w)):
+        assert a is not None and rel_err(a, b) <= 1e-4, n
+
+
+def test_stored_bad_options_raise():
+    x = make_inputs(T=10, V=32, seed=250)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    with pytest.raises(ValueError, match="output"):
+        chunk_kda_fwd(*args, output="parallel")
+    with pytest.raises(ValueError, match="h_dtype"):
+        chunk_kda_fwd(*args, output="stored", h_dtype=torch.float16)
+    with pytest.raises(ValueError, match="out_block_v"):
+        chunk_kda_fwd(*args, output="stored", out_block_v=24)
+    with pytest.raises(ValueError, match="out_block_v"):
+        chunk_kda_fwd(*args, output="stored", out_block_v=64)  # does not divide V = 32
+    with pytest.raises(ValueError, match="output"):
+        chunk_kda(*args, output="stored", forward_options=dict(output="fused"))
