@@ -20,12 +20,36 @@ from k3_kernels.attnres.triton_attnres import attn_res_triton
 PEAK_TBS = 4.27
 
 
+def sweep_warps(T, d, N=9):
+    """Forward and forward + backward of the stacked kernel at each num_warps (monkeypatching `_launch_cfg`)."""
+    from k3_kernels.attnres import triton_attnres as mod
+
+    default = mod._launch_cfg
+    v = torch.randn(N, T, d, device="cuda").bfloat16().requires_grad_()
+    q = (torch.randn(1, d, device="cuda") * 0.05).requires_grad_()
+    nw = (1 + 0.1 * torch.randn(d, device="cuda")).requires_grad_()
+    dout = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
+    try:
+        for warps in (4, 8, 16, 32):
+            mod._launch_cfg = lambda D, w=warps: (default(D)[0], w)
+            with torch.no_grad():
+                f = triton.testing.do_bench(lambda: attn_res_triton(v, q, nw, 1e-5))
+            fb = triton.testing.do_bench(lambda: attn_res_triton(v, q, nw, 1e-5).backward(dout), grad_to_none=[v, q, nw])
+            print(f"sweep N={N} num_warps={warps}: fwd {f:.3f} ms ({(N + 1) * T * d * 2 / f / 1e9:.2f} TB/s), "
+                  f"fwd+bwd {fb:.3f} ms", flush=True)
+    finally:
+        mod._launch_cfg = default
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--sweep", action="store_true", help="first time our kernels' num_warps at N = 9")
     args = ap.parse_args()
     T, d = args.tokens, args.hidden
+    if args.sweep:
+        sweep_warps(T, d)
     try:
         from fla.ops.attnres import fused_attnres
     except Exception as exc:  # fla absent: report ours and torch only

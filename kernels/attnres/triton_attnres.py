@@ -30,7 +30,9 @@ def _attnres_fwd(
     V, W, O, OF, ALPHA, T, D, eps, N: tl.constexpr, SAVE_F32: tl.constexpr, BLOCK_D: tl.constexpr
 ):
     # One token row per program, the whole row of one candidate at a time in registers: an online softmax over
-    # the candidates reads every candidate exactly once.
+    # the candidates reads every candidate exactly once. The next candidate's row is loaded before this one's
+    # reductions: those end in barriers the compiler does not move loads across, so without the prefetch every
+    # candidate paid a full memory latency in turn (32 % of bandwidth at N = 9 on the H200).
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     dmask = offs < D
@@ -38,8 +40,11 @@ def _attnres_fwd(
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     m = float("-inf")
     den = 0.0
+    v_next = tl.load(V + row * D + offs, mask=dmask, other=0.0)
     for i in tl.static_range(N):
-        v = tl.load(V + (i * T + row) * D + offs, mask=dmask, other=0.0).to(tl.float32)
+        v = v_next.to(tl.float32)
+        if i + 1 < N:
+            v_next = tl.load(V + ((i + 1) * T + row) * D + offs, mask=dmask, other=0.0)
         r = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / D + eps)
         logit = r * tl.sum(v * w, axis=0)
         tl.store(ALPHA + i * T + row, logit)  # logits now, turned into alpha below
@@ -76,8 +81,11 @@ def _attnres_bwd(
             do = tl.load(DO + row * D + offs, mask=dmask, other=0.0).to(tl.float32)
             o = tl.load(O + row * D + offs, mask=dmask, other=0.0).to(tl.float32)
             do_o = tl.sum(do * o, axis=0)
+            v_next = tl.load(V + row * D + offs, mask=dmask, other=0.0)  # prefetched as in the forward
             for i in tl.static_range(N):
-                v = tl.load(V + (i * T + row) * D + offs, mask=dmask, other=0.0).to(tl.float32)
+                v = v_next.to(tl.float32)
+                if i + 1 < N:
+                    v_next = tl.load(V + ((i + 1) * T + row) * D + offs, mask=dmask, other=0.0)
                 alpha = tl.load(ALPHA + i * T + row)
                 r = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / D + eps)
                 p = tl.sum(v * w, axis=0)

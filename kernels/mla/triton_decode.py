@@ -28,7 +28,10 @@ except ImportError as e:  # the model imports this module only when `k3_mla_page
 from .reference import check_paged_inputs
 
 
-@triton.jit
+# Ints that change as a decode run grows (the split length, the block-table and mask row strides) are not
+# specialised: Triton otherwise compiles a new variant the first time one of them becomes divisible by 16, a
+# compile stall in the middle of generation (seen as 80-260 ms decode steps on the H200).
+@triton.jit(do_not_specialize=["SPLIT_LEN", "s_bt_b", "s_mb", "s_mt", "s_mn"])
 def _mla_paged_split_kernel(
     Q, QPE, POOL, BT, LENS, MASK, O, PART_O, PART_LSE,
     H, TQ, M_ROWS, SPLIT_LEN,
@@ -116,7 +119,7 @@ def _mla_paged_split_kernel(
         tl.store(PART_O + part[:, None] * R + offs_r[None, :], out, mask=row_ok[:, None] & r_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_SPLITS"])
 def _mla_merge_kernel(
     PART_O, PART_LSE, O, H, M_ROWS, N_SPLITS, s_ob, s_ot, s_oh,
     R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
