@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 from k3_kernels.mla.reference import mla_absorbed_attention, mla_paged_decode_reference  # noqa: E402
-from tests.helpers import rel_err  # noqa: E402
+from helpers import rel_err  # noqa: E402
 
 H, DN, DV, R, DR, PAGE = 4, 8, 8, 32, 16, 16
 LENGTHS = [1, 17, 40]
