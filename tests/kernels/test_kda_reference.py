@@ -79,7 +79,17 @@ def test_chunk_vs_fla_naive_k32(T):
 def _transformers_chunk():
     mod = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
     # The decorated function may dispatch to fla / hub kernels; unwrap to the torch implementation.
-    fn = inspect.unwrap(mod.chunk_kimi_delta_attention)
+    fn = mod.chunk_kimi_delta_attention
+    if isinstance(fn, torch.nn.Module):
+        # transformers >= 5.25 with the `kernels` library: a hub-kernel wrapper module whose forward closes over
+        # the torch function.
+        cells = [c.cell_contents for c in (type(fn).forward.__closure__ or ())]
+        found = [c for c in cells if inspect.isfunction(c)
+                 and "modeling_kimi_linear" in (inspect.getsourcefile(inspect.unwrap(c)) or "")]
+        if not found:
+            pytest.skip("transformers' kimi_linear torch chunk function is not reachable through its kernel wrapper")
+        fn = found[0]
+    fn = inspect.unwrap(fn)
     assert "modeling_kimi_linear" in inspect.getsourcefile(fn)
     return fn
 
