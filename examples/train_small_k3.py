@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from transformers_k3.tiny import time_lr_lambda
+
 REPO = Path(__file__).resolve().parent.parent
 
 # SPEC 8: K3's special tokens, in release order; they are appended after the BPE ranks.
@@ -315,20 +317,6 @@ def make_callbacks(model, val_batch, every: int, deadline: float, history: dict)
                                          "lr": logs.get("learning_rate")})
 
     return ExpertLoadCallback()
-
-
-def time_lr_lambda(start_holder: list, budget_s: float, warmup_steps: int, min_ratio: float = 0.1):
-    """LR factor: linear warmup by step, then cosine decay by elapsed wall-clock fraction of the budget."""
-
-    def f(step):
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if not start_holder:
-            start_holder.append(time.monotonic())
-        frac = min((time.monotonic() - start_holder[0]) / budget_s, 1.0)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
-
-    return f
 
 
 # ----------------------------------------------------------------------------------------------------------

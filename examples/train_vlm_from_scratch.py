@@ -45,6 +45,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from transformers_k3.tiny import time_lr_lambda
+
 REPO = Path(__file__).resolve().parent.parent
 EMBEDDED = REPO / "src/transformers_k3/embedded"
 
@@ -452,20 +454,6 @@ def contrastive_pretrain(model, corpus: Corpus, tokenizer, budget_s: float, batc
 # ----------------------------------------------------------------------------------------------------------
 # Next-token training under Trainer
 # ----------------------------------------------------------------------------------------------------------
-
-
-def time_lr_lambda(start_holder: list, budget_s: float, warmup_steps: int, min_ratio: float = 0.1):
-    """LR factor: linear warmup by step, then cosine decay by elapsed wall-clock fraction of the budget."""
-
-    def f(step):
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if not start_holder:
-            start_holder.append(time.monotonic())
-        frac = min((time.monotonic() - start_holder[0]) / budget_s, 1.0)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
-
-    return f
 
 
 def make_callback(deadline: float, history: list, tag: str):

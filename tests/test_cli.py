@@ -94,14 +94,9 @@ def test_write_tiny_then_generate_with_model(tmp_path, capsys):
 
 
 def _train_script():
-    import importlib.util
-    from pathlib import Path
+    from helpers import load_example
 
-    path = Path(__file__).resolve().parent.parent / "examples" / "train_small_k3.py"
-    spec = importlib.util.spec_from_file_location("train_small_k3", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("train_small_k3")
 
 
 def test_train_script_tokenizer_and_recall_data(tmp_path):

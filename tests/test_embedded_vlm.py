@@ -3,9 +3,7 @@
 keys, saves back bit for bit, and answers questions about freshly rendered scenes (a seed the training and
 held-out sets never used) well above chance."""
 
-import importlib.util
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,18 +14,9 @@ from transformers import AutoProcessor
 import transformers_k3
 from transformers_k3 import KimiK3ForConditionalGeneration
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import load_example
+
 VLM_DIR = Path(transformers_k3.__file__).resolve().parent / "embedded_vlm"
-
-
-def _example():
-    name = "train_vlm_from_scratch"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "examples/train_vlm_from_scratch.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +43,7 @@ def test_saves_back_bit_for_bit(loaded, tmp_path):
 
 def test_answers_fresh_scenes_well_above_chance(loaded):
     model, _, processor = loaded
-    ex = _example()
+    ex = load_example("train_vlm_from_scratch")
     layout = ex.Layout(processor)
     rng = random.Random(987_654)  # neither the training seed (0) nor the held-out one (10 000)
     per_kind = {k: [] for k in ex.QUESTION_TYPES}

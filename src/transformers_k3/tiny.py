@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import json
+import math
+import time
 from pathlib import Path
 
 import torch
@@ -103,3 +105,18 @@ def save_small_checkpoint(model, out, *companions, max_mb: float | None = None) 
         warnings.warn(f"saved checkpoint is {size_mb:.1f} MB (> {max_mb:g} MB target)")
     return {"dir": str(out), "mb": size_mb, "n_tensors": len(keys), "n_weight_packed": len(packed),
             "files": sorted(f.name for f in out.iterdir() if f.is_file())}
+
+
+def time_lr_lambda(start_holder: list, budget_s: float, warmup_steps: int, min_ratio: float = 0.1):
+    """LR factor for `LambdaLR` in the wall-clock-budgeted training examples: linear warmup by step, then cosine
+    decay by the elapsed fraction of `budget_s` (timed from the first step after warmup, kept in `start_holder`)."""
+
+    def f(step):
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if not start_holder:
+            start_holder.append(time.monotonic())
+        frac = min((time.monotonic() - start_holder[0]) / budget_s, 1.0)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+
+    return f

@@ -6,31 +6,19 @@ import json
 import math
 import random
 import re
-import sys
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from transformers import AutoProcessor
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _load_example():
-    name = "train_vlm_from_scratch"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "examples/train_vlm_from_scratch.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod  # dataclasses resolve their annotations through sys.modules
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+from helpers import load_example
 
 
 @pytest.fixture(scope="module")
 def vlm():
-    return _load_example()
+    return load_example("train_vlm_from_scratch")
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +208,7 @@ def test_smoke_checkpoint_reloads_and_answers(smoke):
     assert {"config.json", "model.safetensors", "tokenizer.json", "processor_config.json"} <= files
     model, info = KimiK3ForConditionalGeneration.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    vlm = _load_example()
+    vlm = load_example("train_vlm_from_scratch")
     processor = AutoProcessor.from_pretrained(out)  # KimiK3Processor, also on 5.17 without torchvision
     assert isinstance(processor, KimiK3Processor)
     assert (processor.image_processor.max_patches, processor.image_processor.max_patches_per_side) == (256, 16)
