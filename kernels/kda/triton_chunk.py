@@ -57,10 +57,10 @@ stores the state at the START of every chunk into h [chunks, H, K, V] (fp32, or 
 prep kernel writes qg, kd, Aqk and G_last for it (``STORE_QKA``), as the 64-token prep already does. Cost: h
 written and read once (chunks * H * K * V * 4 bytes, 4x more at chunk 16 than at 64).
 
-Backward: :func:`chunk_kda` is a ``torch.autograd.Function``. Its backward redoes the cheap elementwise
-preprocessing (gate, beta sigmoid, q/k L2 norm) in torch under autograd, runs the Triton core backward of
-``triton_chunk_bwd.py`` (derivation in its docstring) for dq, dk, dv, dg, dbeta, dh0 of the post-activation
-inputs, and chains those through the preprocessing to q, k, v, g or (z, A_log, dt_bias), beta, initial_state.
+Backward: :func:`chunk_kda` is a ``torch.autograd.Function``. Its backward is the Triton backward of
+``triton_chunk_bwd.py`` (derivation in its docstring) under the forward's flags: its kernels redo the elementwise
+preprocessing (gate, beta sigmoid, q/k L2 norm) and take its backward in their epilogue, so the gradients come
+back for q, k, v, g or (z, A_log, dt_bias), beta, initial_state with no torch elementwise work.
 ``_ChunkKDAFunction.backward_impl = "reference"`` (or env ``K3_KDA_CHUNK_BACKWARD=reference`` at import)
 selects the old path instead: recompute the forward with the fp32 torch reference under autograd.
 
@@ -629,6 +629,20 @@ def _is_pow2(n: int) -> bool:
     return n >= 16 and (n & (n - 1)) == 0
 
 
+def check_gate_args(A_log, dt_bias, lower_bound, H, K):
+    """The in-kernel gate's parameters, as the chunk kernels (forward and backward) need them."""
+    if A_log is None or dt_bias is None:
+        raise ValueError("use_gate_in_kernel=True needs A_log and dt_bias")
+    if A_log.dim() != 1 or A_log.shape[0] < H:
+        raise ValueError(f"A_log must be a vector of length >= H = {H}, got {tuple(A_log.shape)}")
+    if dt_bias.numel() != H * K:
+        raise ValueError(f"dt_bias must be [H*K] = [{H * K}], got {tuple(dt_bias.shape)}")
+    if not (-_MAX_STEP_DECAY <= lower_bound <= 0):
+        raise ValueError(
+            f"lower_bound must be in [-{_MAX_STEP_DECAY}, 0] (bounded-gate chunk kernel), got {lower_bound}"
+        )
+
+
 def chunk_kda_fwd(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=-5.0,
@@ -675,16 +689,7 @@ def chunk_kda_fwd(
     if not (_is_pow2(K) and _is_pow2(V)):
         raise ValueError(f"K and V must be powers of two >= 16 for the Triton kernel, got K={K}, V={V}")
     if use_gate_in_kernel:
-        if A_log is None or dt_bias is None:
-            raise ValueError("use_gate_in_kernel=True needs A_log and dt_bias")
-        if A_log.dim() != 1 or A_log.shape[0] < H:
-            raise ValueError(f"A_log must be a vector of length >= H = {H}, got {tuple(A_log.shape)}")
-        if dt_bias.numel() != H * K:
-            raise ValueError(f"dt_bias must be [H*K] = [{H * K}], got {tuple(dt_bias.shape)}")
-        if not (-_MAX_STEP_DECAY <= lower_bound <= 0):
-            raise ValueError(
-                f"lower_bound must be in [-{_MAX_STEP_DECAY}, 0] (bounded-gate chunk kernel), got {lower_bound}"
-            )
+        check_gate_args(A_log, dt_bias, lower_bound, H, K)
     elif T > 0:
         # The 16-token tile is exp-safe only when each step's log decay is >= -5 (see module docstring).
         g_min = float(g.min())
@@ -988,7 +993,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
         ctx.cu_seqlens, ctx.scale, ctx.flags = cu_seqlens, scale, flags
         return o, ht
 
-    # "triton": Triton core backward (triton_chunk_bwd.py), elementwise preprocessing by autograd;
+    # "triton": Triton backward (triton_chunk_bwd.py), preprocessing included;
     # "reference": recompute with the fp32 torch reference under autograd (slow, kept for comparison).
     backward_impl = os.environ.get("K3_KDA_CHUNK_BACKWARD", "triton")
     # extra keyword arguments of triton_chunk_bwd.chunk_kda_bwd (state_dtype, block_v, num_warps, ...)
@@ -1024,34 +1029,24 @@ class _ChunkKDAFunction(torch.autograd.Function):
     def _backward_triton(ctx, do, dht):
         from .triton_chunk_bwd import chunk_kda_bwd
 
-        saved = ctx.saved_tensors
-        needs = ctx.needs_input_grad[:8]
+        q, k, v, g, beta, A_log, dt_bias, h0 = ctx.saved_tensors
         use_l2, use_gate, use_bsig, lower_bound = ctx.flags
-        with torch.enable_grad():
-            inputs = [
-                None if t is None else t.detach().requires_grad_(bool(n) and t.is_floating_point())
-                for t, n in zip(saved, needs)
-            ]
-            q, k, v, g, beta, A_log, dt_bias, h0 = inputs
-            # the cheap elementwise preprocessing, redone under autograd; the core sees its outputs
-            qq, kk = (_ref.l2norm(q), _ref.l2norm(k)) if use_l2 else (q, k)
-            gg = _ref.kda_gate(g, A_log, dt_bias, lower_bound=lower_bound) if use_gate else g
-            bb = torch.sigmoid(beta.float()) if use_bsig else beta
-        dq, dk, dv, dg, db, dh0 = chunk_kda_bwd(
-            qq.detach(), kk.detach(), v.detach(), gg.detach().float(), bb.detach(), do,
-            scale=ctx.scale, initial_state=None if h0 is None else h0.detach(), dht=dht, cu_seqlens=ctx.cu_seqlens,
+        # the same flags as the forward: the kernels redo the elementwise preprocessing and take its backward
+        # in their epilogue, so the gradients come back with respect to the raw inputs
+        dq, dk, dv, dg, db, dh0, dA, ddt = chunk_kda_bwd(
+            q, k, v, g, beta, do, scale=ctx.scale, initial_state=h0, dht=dht, cu_seqlens=ctx.cu_seqlens,
+            use_qk_l2norm_in_kernel=use_l2, use_gate_in_kernel=use_gate, A_log=A_log, dt_bias=dt_bias,
+            lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_bsig, check_gate=False,
             **_ChunkKDAFunction.bwd_options,
         )
-        pre = [(t, d.to(t.dtype)) for t, d in ((qq, dq), (kk, dk), (gg, dg), (bb, db)) if t.requires_grad]
-        wrt = [t for t in (q, k, g, beta, A_log, dt_bias) if t is not None and t.requires_grad]
-        got = iter(torch.autograd.grad([p[0] for p in pre], wrt, [p[1] for p in pre], allow_unused=True)
-                   if wrt and pre else [])
-        result = [next(got) if (t is not None and t.requires_grad) else None for t in (q, k, g, beta, A_log, dt_bias)]
-        rq, rk, rg, rbeta, rA, rdt = result
-        rv = dv if v.requires_grad else None
-        rh0 = dh0 if (h0 is not None and h0.requires_grad) else None
-        result = [rq, rk, rv, rg, rbeta, rA, rdt, rh0]
-        result = [r if r is None or s is None else r.to(s.dtype) for r, s in zip(result, saved)]
+        if use_gate:
+            dA_full = torch.zeros(A_log.shape, dtype=torch.float32, device=A_log.device)
+            dA_full[: dA.shape[0]] = dA  # A_log may be longer than H: only the first H entries are used
+            dA, ddt = dA_full.to(A_log.dtype), ddt.reshape(dt_bias.shape).to(dt_bias.dtype)
+        result = [dq, dk, dv, dg, db, dA, ddt, dh0]
+        saved = (q, k, v, g, beta, A_log, dt_bias, h0)
+        result = [None if (r is None or not need) else r.to(s.dtype)
+                  for r, s, need in zip(result, saved, ctx.needs_input_grad[:8])]
         return (*result, None, None, None, None)
 
 
@@ -1082,7 +1077,7 @@ def chunk_kda(
     initial_state: [N, H, K, V]. Returns (o [B, T, H, V] in v.dtype, final_state fp32 [N, H, K, V] or None).
 
     Forward: :func:`chunk_kda_fwd` with its defaults (16-token split kernel). Backward: the Triton core backward
-    of ``triton_chunk_bwd`` (the elementwise gate / beta / L2-norm preprocessing is differentiated by torch); the
+    of ``triton_chunk_bwd`` (through the in-kernel gate / beta / L2-norm preprocessing as well); the
     fp32 reference recompute is kept selectable (see the module docstring). ``output`` ("fused" or "stored")
     and ``forward_options`` (other keyword arguments of :func:`chunk_kda_fwd`, e.g. ``chunk_size``,
     ``block_v``) only change the forward kernels; the backward is the same.

@@ -1,8 +1,17 @@
 """Chunked KDA backward in Triton (bounded gate, 16-token tiles), the counterpart of ``triton_chunk``.
 
-The core works on post-activation inputs: q, k (already L2-normalised when that flag is on), v, g = per-step
-fp32 log decay with -5 <= g <= 0, beta in (0, 1), scale, optional h0. The elementwise preprocessing (gate,
-beta sigmoid, L2 norm) is differentiated by torch autograd in ``_ChunkKDAFunction.backward``.
+The core maths below works on post-activation inputs: q, k (L2-normalised), v, g = per-step fp32 log decay with
+-5 <= g <= 0, beta in (0, 1), scale, optional h0. The forward's in-kernel preprocessing (L2 norm of q and k,
+gate ``g = lb * sigmoid(exp(A_log) * (z + dt_bias))``, beta sigmoid) is redone inside every kernel from the raw
+inputs, and the per-chunk kernel takes the gradients back through it in its epilogue::
+
+    dx = r (dq - q <dq, q>)                  (q = x r, r = 1 / sqrt(|x|^2 + 1e-6); the same for k)
+    dz = dg lb s (1 - s) a = d dt_bias,  dA_log = sum dz (z + dt_bias)     (s = sigmoid(a (z + dt_bias)), a = e^A_log)
+    dbeta_logit = dbeta beta (1 - beta)
+
+so no [T, H, K] fp32 intermediate of the preprocessing is made or differentiated by torch (it was ~25 % of a
+training step at T = 8K, H = 96: ~10 ms of elementwise kernels). dt_bias and A_log get per-(chunk, head)
+partial sums that torch adds up.
 
 Forward per 16-token chunk, state S = S_in [K, V] before the chunk (G = within-chunk cumsum of g, in
 (-80, 0] thanks to the bounded gate, so e^G and e^-G are normal fp32 numbers; Gl = G of the last row)::
@@ -34,15 +43,17 @@ same as at the last real token; their X rows are set to identity rows, their u, 
 
 Four kernels:
 
-1. ``_bwd_prep_kernel`` (parallel over (chunk, head)): X, w = X B1, Aqk stored (fp32; 16 + K + 16 floats per
-   token-head).
+1. ``_bwd_prep_kernel`` (parallel over (chunk, head)): X, w = X B1, Aqk, and the post-activation kd, qg, beta
+   and e^Gl stored (fp32; 16 + 3 K + 17 floats per token-head), so the two sequential kernels load their
+   tiles instead of redoing the preprocessing, cumsum and exps on their critical path.
 2. ``_bwd_state_kernel`` (sequential over chunks, parallel over (sequence, head, V-block)): recomputes S_in
    of every chunk and stores it in ``h`` [NT, H, K, V] (``state_dtype``, fp32 default).
 3. ``_bwd_dstate_kernel`` (reverse sequential, same grid): carries dS (fp32, starting at dht or 0), stores
    dS_out of every chunk in ``dh`` and dh0 = dS at the start.
 4. ``_bwd_chunk_kernel`` (parallel over (chunk, head)): loops over V-blocks, accumulating the sums over V
    (dqg, dAqk, dw, dX, dkd, dGl, dbeta) in [C, K] / [C, C] registers, so no V-partials and no atomics are
-   needed (deterministic), then goes down through X to dq, dk, dg, dbeta; dv is written per V-block.
+   needed (deterministic), then goes down through X to dq, dk, dg, dbeta and through the preprocessing to the
+   raw inputs; dv is written per V-block.
 
 Precision: every tile is loaded into fp32 (so the Triton interpreter's bf16-dot problem does not arise);
 products are exact fp32 ("ieee") for fp32 inputs and tf32 for bf16 inputs, except the small products with X
@@ -80,31 +91,62 @@ def _mm(a, b, TF32: tl.constexpr):
 
 
 @triton.jit
-def _load_chunk_qkg(q, k, g, beta, rows, m_t, i_h, scale, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
-    """Loads one chunk's q, k, g, beta (fp32, zero past the end) and builds the decayed tiles."""
+def _gate_params(A_log, dt_bias, i_h, K: tl.constexpr, USE_GATE: tl.constexpr):
+    """exp(A_log[h]) and dt_bias[h] [K] of the in-kernel gate (placeholders without it)."""
+    a_h = 0.0
+    bias = tl.zeros([K], dtype=tl.float32)
+    if USE_GATE:
+        a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        bias = tl.load(dt_bias + i_h * K + tl.arange(0, K)).to(tl.float32)
+    return a_h, bias
+
+
+@triton.jit
+def _load_chunk_qkg(q, k, g, beta, rows, m_t, i_h, scale, a_h, bias, lower_bound,
+                    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                    USE_GATE: tl.constexpr, USE_BSIG: tl.constexpr, USE_L2: tl.constexpr):
+    """Loads one chunk's q, k, g, beta (fp32, zero past the end), applies the in-kernel preprocessing the forward
+    applied (L2 norm of q and k, gate from z, beta sigmoid) and builds the decayed tiles. Also returns the
+    inverse norms rq, rk [BT] (ones without the L2 norm) for the norm's backward."""
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
     p_qk = (rows[:, None] * H + i_h) * K + o_k[None, :]
     m_qk = m_t[:, None]
     b_q = tl.load(q + p_qk, mask=m_qk, other=0.0).to(tl.float32)
     b_k = tl.load(k + p_qk, mask=m_qk, other=0.0).to(tl.float32)
+    rq = tl.full([BT], 1.0, dtype=tl.float32)
+    rk = tl.full([BT], 1.0, dtype=tl.float32)
+    if USE_L2:
+        # the same formula as the forward kernel and reference.l2norm: x / sqrt(sum x^2 + 1e-6)
+        rq = 1.0 / tl.sqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)
+        rk = 1.0 / tl.sqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)
+        b_q = b_q * rq[:, None]
+        b_k = b_k * rk[:, None]
     b_g = tl.load(g + p_qk, mask=m_qk, other=0.0).to(tl.float32)
+    if USE_GATE:
+        b_g = tl.where(m_qk, lower_bound * tl.sigmoid(a_h * (b_g + bias[None, :])), 0.0)
     b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    if USE_BSIG:
+        b_beta = tl.where(m_t, tl.sigmoid(b_beta), 0.0)
     gc = tl.cumsum(b_g, axis=0)  # [BT, K] in (-80, 0]
     g_last = tl.sum(tl.where(o_t[:, None] == BT - 1, gc, 0.0), axis=0)  # [K]
     kg = b_k * tl.exp(gc)
     kn = b_k * tl.exp(-gc)
     qg = b_q * scale * tl.exp(gc)
     kd = b_k * tl.exp(g_last[None, :] - gc)
-    return b_q, b_k, b_beta, gc, g_last, kg, kn, qg, kd
+    return b_q, b_k, b_beta, gc, g_last, kg, kn, qg, kd, rq, rk
 
 
 @triton.jit
 def _bwd_prep_kernel(
-    q, k, g, beta, cu_seqlens, chunk_indices, X_buf, w_buf, Aqk_buf, scale,
+    q, k, g, beta, cu_seqlens, chunk_indices, X_buf, w_buf, Aqk_buf, kd_buf, qg_buf, gl_buf, b_buf, scale,
+    A_log, dt_bias, lower_bound,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TF32: tl.constexpr,
+    USE_GATE: tl.constexpr, USE_BSIG: tl.constexpr, USE_L2: tl.constexpr,
 ):
-    """Per (chunk, head), fully parallel: the S-independent tiles X, w and Aqk the other kernels reuse."""
+    """Per (chunk, head), fully parallel: the S-independent tiles the other kernels reuse (X, w, Aqk, and the
+    post-activation kd, qg, e^Gl, beta, so the two sequential kernels do no preprocessing, cumsum or exp on
+    their critical path)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     i_n = tl.load(chunk_indices + 2 * i_c)
@@ -116,7 +158,9 @@ def _bwd_prep_kernel(
     pos = i_t * BT + o_t
     m_t = pos < L
     rows = bos + pos
-    b_q, b_k, b_beta, gc, g_last, kg, kn, qg, kd = _load_chunk_qkg(q, k, g, beta, rows, m_t, i_h, scale, H, K, BT)
+    a_h, bias = _gate_params(A_log, dt_bias, i_h, K, USE_GATE)
+    b_q, b_k, b_beta, gc, g_last, kg, kn, qg, kd, rq, rk = _load_chunk_qkg(
+        q, k, g, beta, rows, m_t, i_h, scale, a_h, bias, lower_bound, H, K, BT, USE_GATE, USE_BSIG, USE_L2)
     strict = o_t[:, None] > o_t[None, :]
     causal = o_t[:, None] >= o_t[None, :]
     A = tl.where(strict, _mm(kg, tl.trans(kn), TF32), 0.0)
@@ -135,6 +179,10 @@ def _bwd_prep_kernel(
     tl.store(X_buf + p_cc, X, mask=m_t[:, None])
     tl.store(Aqk_buf + p_cc, Aqk, mask=m_t[:, None])
     tl.store(w_buf + p_qk, w, mask=m_t[:, None])
+    tl.store(kd_buf + p_qk, kd, mask=m_t[:, None])
+    tl.store(qg_buf + p_qk, qg, mask=m_t[:, None])
+    tl.store(b_buf + rows * H + i_h, b_beta, mask=m_t)
+    tl.store(gl_buf + (i_c.to(tl.int64) * H + i_h) * K + o_k, tl.exp(g_last))
 
 
 @triton.jit
@@ -148,7 +196,7 @@ def _load_X(X_buf, rows, m_t, i_h, H: tl.constexpr, BT: tl.constexpr):
 
 @triton.jit
 def _bwd_state_kernel(
-    q, k, v, g, beta, h0, h, cu_seqlens, chunk_offsets, X_buf, w_buf, scale,
+    v, h0, h, cu_seqlens, chunk_offsets, X_buf, w_buf, kd_buf, gl_buf, b_buf,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, TF32: tl.constexpr,
 ):
@@ -173,20 +221,21 @@ def _bwd_state_kernel(
         rows = bos + pos
         p_h = (((c0 + i_c) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
         tl.store(h + p_h, S.to(h.dtype.element_ty))
-        b_q, b_k, b_beta, gc, g_last, kg, kn, qg, kd = _load_chunk_qkg(q, k, g, beta, rows, m_t, i_h, scale,
-                                                                       H, K, BT)
         X = _load_X(X_buf, rows, m_t, i_h, H, BT)
         p_qk = (rows[:, None] * H + i_h) * K + o_k[None, :]
         w = tl.load(w_buf + p_qk, mask=m_t[:, None], other=0.0)
+        kd = tl.load(kd_buf + p_qk, mask=m_t[:, None], other=0.0)
+        e_gl = tl.load(gl_buf + ((c0 + i_c) * H + i_h) * K + o_k)
+        b_beta = tl.load(b_buf + rows * H + i_h, mask=m_t, other=0.0)
         p_v = (rows[:, None] * H + i_h) * V + o_v[None, :]
         b_v = tl.load(v + p_v, mask=m_t[:, None], other=0.0).to(tl.float32)
         u = tl.dot(X, b_beta[:, None] * b_v, input_precision="ieee") - _mm(w, S, TF32)  # [BT, BV]
-        S = S * tl.exp(g_last)[:, None] + _mm(tl.trans(kd), u, TF32)
+        S = S * e_gl[:, None] + _mm(tl.trans(kd), u, TF32)
 
 
 @triton.jit
 def _bwd_dstate_kernel(
-    q, k, g, beta, do, dht, dh, dh0, cu_seqlens, chunk_offsets, w_buf, Aqk_buf, scale,
+    do, dht, dh, dh0, cu_seqlens, chunk_offsets, w_buf, Aqk_buf, kd_buf, qg_buf, gl_buf,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, TF32: tl.constexpr,
 ):
@@ -213,28 +262,30 @@ def _bwd_dstate_kernel(
         rows = bos + pos
         p_h = (((c0 + i_c) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
         tl.store(dh + p_h, dS.to(dh.dtype.element_ty))
-        b_q, b_k, b_beta, gc, g_last, kg, kn, qg, kd = _load_chunk_qkg(q, k, g, beta, rows, m_t, i_h, scale,
-                                                                       H, K, BT)
         p_cc = (rows[:, None] * H + i_h) * BT + o_t[None, :]
         Aqk = tl.load(Aqk_buf + p_cc, mask=m_t[:, None], other=0.0)
         p_qk = (rows[:, None] * H + i_h) * K + o_k[None, :]
         w = tl.load(w_buf + p_qk, mask=m_t[:, None], other=0.0)
+        kd = tl.load(kd_buf + p_qk, mask=m_t[:, None], other=0.0)
+        qg = tl.load(qg_buf + p_qk, mask=m_t[:, None], other=0.0)
+        e_gl = tl.load(gl_buf + ((c0 + i_c) * H + i_h) * K + o_k)
         p_v = (rows[:, None] * H + i_h) * V + o_v[None, :]
         b_do = tl.load(do + p_v, mask=m_t[:, None], other=0.0).to(tl.float32)
         du = _mm(tl.trans(Aqk), b_do, TF32) + _mm(kd, dS, TF32)  # [BT, BV]
-        dS = dS * tl.exp(g_last)[:, None] + _mm(tl.trans(qg), b_do, TF32) - _mm(tl.trans(w), du, TF32)
+        dS = dS * e_gl[:, None] + _mm(tl.trans(qg), b_do, TF32) - _mm(tl.trans(w), du, TF32)
     if STORE_DH0:
         tl.store(dh0 + p_state, dS)
 
 
 @triton.jit
 def _bwd_chunk_kernel(
-    q, k, v, g, beta, do, h, dh, cu_seqlens, chunk_indices, X_buf, w_buf, Aqk_buf,
-    dq, dk, dv, dg, dbeta, scale,
+    q, k, v, g, beta, do, h, dh, cu_seqlens, chunk_indices, X_buf, w_buf, Aqk_buf, kd_buf, b_buf,
+    dq, dk, dv, dg, dbeta, ddt_part, dA_part, scale, A_log, dt_bias, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    TF32: tl.constexpr,
+    TF32: tl.constexpr, USE_GATE: tl.constexpr, USE_BSIG: tl.constexpr, USE_L2: tl.constexpr,
 ):
-    """All local gradients of one (chunk, head), from S_in = h[c] and dS_out = dh[c]."""
+    """All local gradients of one (chunk, head), from S_in = h[c] and dS_out = dh[c], taken back through the
+    in-kernel preprocessing to the raw inputs (dt_bias / A_log as per-(chunk, head) partial sums)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     i_n = tl.load(chunk_indices + 2 * i_c)
@@ -248,14 +299,15 @@ def _bwd_chunk_kernel(
     rows = bos + pos
     strict = o_t[:, None] > o_t[None, :]
     causal = o_t[:, None] >= o_t[None, :]
-    # only kd, w, X, Aqk are needed inside the V loop; the other [BT, K] tiles are rebuilt after it (fewer
-    # live registers across the loop)
-    _, _, b_beta, _, _, _, _, _, kd = _load_chunk_qkg(q, k, g, beta, rows, m_t, i_h, scale, H, K, BT)
+    # only kd, beta, w, X, Aqk are needed inside the V loop (from the prep kernel); the other [BT, K] tiles are
+    # rebuilt after it (fewer live registers across the loop)
     X = _load_X(X_buf, rows, m_t, i_h, H, BT)
     p_cc = (rows[:, None] * H + i_h) * BT + o_t[None, :]
     Aqk = tl.load(Aqk_buf + p_cc, mask=m_t[:, None], other=0.0)
     p_qk = (rows[:, None] * H + i_h) * K + o_k[None, :]
     w = tl.load(w_buf + p_qk, mask=m_t[:, None], other=0.0)
+    kd = tl.load(kd_buf + p_qk, mask=m_t[:, None], other=0.0)
+    b_beta = tl.load(b_buf + rows * H + i_h, mask=m_t, other=0.0)
 
     # sums over V, accumulated block by block
     dqg = tl.zeros([BT, K], dtype=tl.float32)
@@ -284,15 +336,21 @@ def _bwd_chunk_kernel(
         dkd += _mm(u, tl.trans(dS), TF32)
         dGl += tl.sum(S * dS, axis=1)
         dB2 = tl.dot(tl.trans(X), du, input_precision="ieee")  # [BT, BV]
-        tl.store(dv + p_v, b_beta[:, None] * dB2, mask=m_t[:, None])
+        tl.store(dv + p_v, (b_beta[:, None] * dB2).to(dv.dtype.element_ty), mask=m_t[:, None])
         db += tl.sum(dB2 * b_v, axis=1)
 
-    b_q, b_k, b_beta, gc, g_last, kg, kn, qg, kd = _load_chunk_qkg(q, k, g, beta, rows, m_t, i_h, scale, H, K, BT)
+    a_h, bias = _gate_params(A_log, dt_bias, i_h, K, USE_GATE)
+    b_q, b_k, b_beta, gc, g_last, kg, kn, qg, kd, rq, rk = _load_chunk_qkg(
+        q, k, g, beta, rows, m_t, i_h, scale, a_h, bias, lower_bound, H, K, BT, USE_GATE, USE_BSIG, USE_L2)
     # each gradient is finished as soon as its inputs are, so fewer [BT, K] tiles are live at once
     dAqk = tl.where(causal, dAqk, 0.0)
     dqg += _mm(dAqk, kn, TF32)
     dkn = _mm(tl.trans(dAqk), qg, TF32)
-    tl.store(dq + p_qk, scale * tl.exp(gc) * dqg, mask=m_t[:, None])
+    b_dq = scale * tl.exp(gc) * dqg  # w.r.t. the normalised q
+    if USE_L2:
+        # q = x r with r = 1 / |x|: dx = r (dq - q <dq, q>)
+        b_dq = (b_dq - b_q * tl.sum(b_dq * b_q, axis=1)[:, None]) * rq[:, None]
+    tl.store(dq + p_qk, b_dq.to(dq.dtype.element_ty), mask=m_t[:, None])
     # dG: each factor's derivative in G (qg, kg ~ e^G; kn ~ e^-G; kd ~ e^(Gl - G))
     dG = qg * dqg - kd * dkd
     b_dk = tl.exp(g_last[None, :] - gc) * dkd
@@ -314,9 +372,21 @@ def _bwd_chunk_kernel(
     dG += tl.where(o_t[:, None] == BT - 1, dGl[None, :], 0.0)
     # dg_t = sum_{s >= t} dG_s (reverse cumsum) since G_t = sum_{s <= t} g_s
     b_dg = tl.sum(dG, axis=0)[None, :] - tl.cumsum(dG, axis=0) + dG
-    tl.store(dk + p_qk, b_dk, mask=m_t[:, None])
-    tl.store(dg + p_qk, b_dg, mask=m_t[:, None])
-    tl.store(dbeta + rows * H + i_h, db, mask=m_t)
+    if USE_L2:
+        b_dk = (b_dk - b_k * tl.sum(b_dk * b_k, axis=1)[:, None]) * rk[:, None]
+    tl.store(dk + p_qk, b_dk.to(dk.dtype.element_ty), mask=m_t[:, None])
+    if USE_GATE:
+        # g = lb * sigmoid(a x), x = z + dt_bias, a = exp(A_log): dz = dg lb s (1 - s) a = d dt_bias,
+        # dA_log = sum dz x (da / dA_log = a)
+        x = tl.load(g + p_qk, mask=m_t[:, None], other=0.0).to(tl.float32) + bias[None, :]
+        sg = tl.sigmoid(a_h * x)
+        b_dg = tl.where(m_t[:, None], b_dg * (lower_bound * a_h) * sg * (1.0 - sg), 0.0)
+        tl.store(ddt_part + (i_ch * H + i_h) * K + o_k, tl.sum(b_dg, axis=0))
+        tl.store(dA_part + i_ch * H + i_h, tl.sum(tl.sum(b_dg * x, axis=1), axis=0))
+    tl.store(dg + p_qk, b_dg.to(dg.dtype.element_ty), mask=m_t[:, None])
+    if USE_BSIG:
+        db = db * b_beta * (1.0 - b_beta)
+    tl.store(dbeta + rows * H + i_h, db.to(dbeta.dtype.element_ty), mask=m_t)
 
 
 def _is_pow2(n: int) -> bool:
@@ -325,21 +395,33 @@ def _is_pow2(n: int) -> bool:
 
 def chunk_kda_bwd(
     q, k, v, g, beta, do, scale=None, initial_state=None, dht=None, cu_seqlens=None,
+    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=-5.0,
+    use_beta_sigmoid_in_kernel=False,
     state_dtype=torch.float32, block_v=None, num_warps=4, chunk_block_v=None, chunk_num_warps=None,
-    check_gate=True,
+    chunk_num_stages=None, check_gate=True,
 ):
-    """Gradients of the core chunked KDA (post-activation inputs, see module docstring).
+    """Gradients of the chunked KDA, through the same in-kernel preprocessing flags as the forward.
 
-    q, k: [B, T, H, K]; v, do: [B, T, H, V]; g: fp32 log decay [B, T, H, K] with -5 <= g <= 0;
-    beta: [B, T, H] in (0, 1); initial_state, dht: [N, H, K, V] or None. ``state_dtype``: storage of the
-    recomputed per-chunk states and state grads (fp32 or bf16). ``block_v`` / ``num_warps``: V tile and warps
-    of the two sequential kernels (default 32 / 4); ``chunk_block_v`` / ``chunk_num_warps``: those of the
-    per-chunk gradient kernel (default 16 / 8 at K >= 128). ``check_gate``: verify -5 <= g <= 0 (one
-    reduction and a host sync; ``_ChunkKDAFunction`` skips it, its forward has checked the bound or the
-    gate formula guarantees it). Returns fp32 (dq, dk, dv, dg, dbeta, dh0) with dh0 None when there is no
-    initial_state.
+    q, k: [B, T, H, K]; v, do: [B, T, H, V]; g: fp32 log decay [B, T, H, K] with -5 <= g <= 0, or the raw gate
+    input z when ``use_gate_in_kernel`` (``g = lower_bound * sigmoid(exp(A_log[h]) * (z + dt_bias))``);
+    beta: [B, T, H] in (0, 1), or logits when ``use_beta_sigmoid_in_kernel``; ``use_qk_l2norm_in_kernel``:
+    q and k are L2-normalised inside. initial_state, dht: [N, H, K, V] or None. ``state_dtype``: storage of
+    the recomputed per-chunk states and state grads (fp32 or bf16). ``block_v`` / ``num_warps``: V tile and
+    warps of the two sequential kernels (default 32 / 4); ``chunk_block_v`` / ``chunk_num_warps``: those of
+    the per-chunk gradient kernel (default 16 / 8 at K >= 128), ``chunk_num_stages`` its V-loop pipelining
+    depth (Triton's default when None). ``check_gate``: verify -5 <= g <= 0 for a
+    precomputed g (one reduction and a host sync; ``_ChunkKDAFunction`` skips it, its forward has checked).
+
+    Returns (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias): the gradients with respect to the inputs as
+    given (dg is dz with the in-kernel gate, dbeta the logits' gradient with the in-kernel sigmoid), each in
+    its input's dtype (computed in fp32, rounded once at the store); dh0 fp32, None without initial_state;
+    dA_log fp32 [H] and ddt_bias fp32 [H * K] with the in-kernel gate, else None.
     """
     B, T, H, K, V, N = _ref._validate(q, k, v, g, beta, initial_state, cu_seqlens)
+    if use_gate_in_kernel:
+        from .triton_chunk import check_gate_args
+
+        check_gate_args(A_log, dt_bias, lower_bound, H, K)
     if not (_is_pow2(K) and _is_pow2(V)):
         raise ValueError(f"K and V must be powers of two >= 16 for the Triton kernel, got K={K}, V={V}")
     if tuple(do.shape) != (B, T, H, V):
@@ -350,7 +432,7 @@ def chunk_kda_bwd(
         raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
     if not g.is_floating_point():
         raise ValueError(f"g must be a floating-point log decay, got {g.dtype}")
-    if check_gate and g.numel():
+    if check_gate and g.numel() and not use_gate_in_kernel:
         # the 16-token tile is exp-safe only when each step's log decay is in [-5, 0] (see triton_chunk.py)
         g_min, g_max = (float(t) for t in torch.aminmax(g.float()))
         if not (g_min >= -_MAX_STEP_DECAY - 1e-4 and g_max <= 1e-4):
@@ -368,16 +450,15 @@ def chunk_kda_bwd(
     f32 = dict(dtype=torch.float32, device=dev)
     # torch.empty: every row is written by _bwd_chunk_kernel (dh0 by _bwd_dstate_kernel); an unwritten row
     # would show up as garbage in the tests' comparisons
-    dq = torch.empty(B, T, H, K, **f32)
-    dk = torch.empty(B, T, H, K, **f32)
-    dg = torch.empty(B, T, H, K, **f32)
-    dv = torch.empty(B, T, H, V, **f32)
-    dbeta = torch.empty(B, T, H, **f32)
+    dq, dk, dg, dv = (torch.empty(x.shape, dtype=x.dtype, device=dev) for x in (q, k, g, v))
+    dbeta = torch.empty(beta.shape, dtype=beta.dtype, device=dev)
     dh0 = torch.empty(N, H, K, V, **f32) if initial_state is not None else None
+    gate = bool(use_gate_in_kernel)
     if T == 0:
         if dh0 is not None:
             dh0 = dht.float().clone() if dht is not None else torch.zeros_like(dh0)
-        return dq, dk, dv, dg, dbeta, dh0
+        zero = (torch.zeros(H, **f32), torch.zeros(H * K, **f32)) if gate else (None, None)
+        return dq, dk, dv, dg, dbeta, dh0, *zero
 
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
     # [B, T] rows are the same memory as one packed sequence of B*T rows with boundaries at multiples of T
@@ -399,29 +480,40 @@ def chunk_kda_bwd(
     X_buf = torch.empty(B, T, H, _BT, **f32)
     Aqk_buf = torch.empty(B, T, H, _BT, **f32)
     w_buf = torch.empty(B, T, H, K, **f32)
+    kd_buf = torch.empty(B, T, H, K, **f32)
+    qg_buf = torch.empty(B, T, H, K, **f32)
+    b_buf = torch.empty(B, T, H, **f32)
+    gl_buf = torch.empty(NT, H, K, **f32)  # e^Gl of every chunk
     h = torch.empty(NT, H, K, V, dtype=state_dtype, device=dev)
     dh = torch.empty(NT, H, K, V, dtype=state_dtype, device=dev)
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     dht_c = dht.float().contiguous() if dht is not None else None
     dummy = dq
+    gate_args = (A_log.contiguous(), dt_bias.contiguous(), float(lower_bound)) if gate else (dummy, dummy, 0.0)
     common = dict(H=H, K=K, BT=_BT, TF32=tf32)
+    flags = dict(USE_GATE=gate, USE_BSIG=bool(use_beta_sigmoid_in_kernel), USE_L2=bool(use_qk_l2norm_in_kernel))
+    # per-(chunk, head) partial sums of the gate parameters' gradients, summed below (deterministic)
+    ddt_part = torch.empty(NT, H, K, **f32) if gate else dummy
+    dA_part = torch.empty(NT, H, **f32) if gate else dummy
     # the chunk kernel keeps ~7 [16, K] fp32 tiles live plus two [K, CBV] state tiles: at K = 128, CBV = 16
     # and 8 warps ptxas (sm_90a, triton 3.6, tf32) reports no spills, with 4 warps ~1 KB
     chunk_warps = chunk_num_warps or (8 if K >= 128 else 4)
-    _bwd_prep_kernel[(NT, H)](q, k, g, beta, cu, chunk_indices, X_buf, w_buf, Aqk_buf, float(scale), **common,
-                              num_warps=num_warps)
+    _bwd_prep_kernel[(NT, H)](q, k, g, beta, cu, chunk_indices, X_buf, w_buf, Aqk_buf, kd_buf, qg_buf, gl_buf, b_buf,
+                              float(scale), *gate_args, **common, **flags, num_warps=num_warps)
     grid = (N, H, V // BV)
     _bwd_state_kernel[grid](
-        q, k, v, g, beta, h0 if h0 is not None else dummy, h, cu, chunk_offsets, X_buf, w_buf, float(scale),
+        v, h0 if h0 is not None else dummy, h, cu, chunk_offsets, X_buf, w_buf, kd_buf, gl_buf, b_buf,
         V=V, BV=BV, USE_H0=h0 is not None, **common, num_warps=num_warps,
     )
     _bwd_dstate_kernel[grid](
-        q, k, g, beta, do, dht_c if dht_c is not None else dummy, dh, dh0 if dh0 is not None else dummy,
-        cu, chunk_offsets, w_buf, Aqk_buf, float(scale),
+        do, dht_c if dht_c is not None else dummy, dh, dh0 if dh0 is not None else dummy, cu, chunk_offsets,
+        w_buf, Aqk_buf, kd_buf, qg_buf, gl_buf,
         V=V, BV=BV, USE_DHT=dht_c is not None, STORE_DH0=dh0 is not None, **common, num_warps=num_warps,
     )
     _bwd_chunk_kernel[(NT, H)](
-        q, k, v, g, beta, do, h, dh, cu, chunk_indices, X_buf, w_buf, Aqk_buf, dq, dk, dv, dg, dbeta,
-        float(scale), V=V, BV=CBV, **common, num_warps=chunk_warps,
+        q, k, v, g, beta, do, h, dh, cu, chunk_indices, X_buf, w_buf, Aqk_buf, kd_buf, b_buf, dq, dk, dv, dg, dbeta,
+        ddt_part, dA_part, float(scale), *gate_args, V=V, BV=CBV, **common, **flags, num_warps=chunk_warps,
+        **({} if chunk_num_stages is None else {"num_stages": chunk_num_stages}),
     )
-    return dq, dk, dv, dg, dbeta, dh0
+    dA_log, ddt_bias = (dA_part.sum(0), ddt_part.sum(0).reshape(H * K)) if gate else (None, None)
+    return dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias

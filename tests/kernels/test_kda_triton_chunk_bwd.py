@@ -55,12 +55,16 @@ def ref_grads(x, cu_seqlens=None, scale=None):
 
 def ours(x, dtype=torch.float32, cu_seqlens=None, scale=None, **kw):
     c = {n: None if x[n] is None else x[n].to(dtype) for n in ("q", "k", "v", "do")}
-    dq, dk, dv, dg, db, dh0 = chunk_kda_bwd(
+    dq, dk, dv, dg, db, dh0, dA, ddt = chunk_kda_bwd(
         c["q"], c["k"], c["v"], x["g"].float(), x["beta"].to(dtype), c["do"], scale=scale,
         initial_state=None if x["h0"] is None else x["h0"].float(), dht=x["dht"].float(), cu_seqlens=cu_seqlens,
         **kw,
     )
-    return dict(q=dq, k=dk, v=dv, g=dg, beta=db, h0=dh0)
+    assert dA is None and ddt is None  # no in-kernel gate
+    # each gradient in its input's dtype; compared in fp32
+    for grad, want in ((dq, dtype), (dk, dtype), (dv, dtype), (db, dtype), (dg, torch.float32)):
+        assert grad.dtype == want
+    return dict(q=dq.float(), k=dk.float(), v=dv.float(), g=dg, beta=db.float(), h0=dh0)
 
 
 def assert_close(got, want, tol):
@@ -207,8 +211,8 @@ def test_core_k3_head_dims():
 def test_core_empty_sequence():
     x = make_core(T=1, seed=23)
     e = {n: x[n][:, :0].float() for n in ("q", "k", "v", "g", "beta", "do")}
-    dq, dk, dv, dg, db, dh0 = chunk_kda_bwd(e["q"], e["k"], e["v"], e["g"], e["beta"], e["do"],
-                                            initial_state=x["h0"].float(), dht=x["dht"].float())
+    dq, dk, dv, dg, db, dh0, _, _ = chunk_kda_bwd(e["q"], e["k"], e["v"], e["g"], e["beta"], e["do"],
+                                                  initial_state=x["h0"].float(), dht=x["dht"].float())
     assert dq.shape == (2, 0, 2, 16) and torch.equal(dh0, x["dht"].float())
 
 
@@ -293,6 +297,37 @@ def test_chunk_kda_precomputed_gate_matches_reference_backward_impl(monkeypatch,
     monkeypatch.setattr(TC._ChunkKDAFunction, "backward_impl", "nope")
     with pytest.raises(ValueError, match="backward_impl"):
         _loss_grads(fn, ts, o_w, s_w)
+
+
+@pytest.mark.parametrize("l2,gate,bsig", [(True, False, False), (False, True, False), (False, False, True)],
+                         ids=["l2norm", "gate", "beta-sigmoid"])
+def test_chunk_kda_each_in_kernel_flag_alone(l2, gate, bsig):
+    """Each in-kernel preprocessing step's backward on its own (the kernels' constexpr branches one at a
+    time), T = 37 over three chunks, against autograd through the fp32 reference."""
+    x = make_raw(T=37, seed=61)
+    core = make_core(B=1, T=37, H=2, K=16, V=16, seed=62)  # post-activation inputs for the other steps
+    raw = dict(q=x["q"] if l2 else core["q"], k=x["k"] if l2 else core["k"], v=x["v"],
+               g=x["z"] if gate else core["g"], beta=x["beta_raw"] if bsig else core["beta"])
+    if gate:
+        raw.update(A_log=x["A_log"], dt_bias=x["dt_bias"])  # they take part only with the in-kernel gate
+    names = list(raw)
+    ts = [raw[n].clone().requires_grad_() for n in names]
+    gen = torch.Generator().manual_seed(3)
+    o_w = torch.randn(1, 37, 2, 16, generator=gen).to(DEVICE)
+    s_w = torch.randn(1, 2, 16, 16, generator=gen).to(DEVICE)
+
+    def triton_fn(q, k, v, g, b, A_log=None, dt_bias=None):
+        return TC.chunk_kda(q, k, v, g, b, output_final_state=True, use_qk_l2norm_in_kernel=l2,
+                            use_gate_in_kernel=gate, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=bsig)
+
+    def ref_fn(q, k, v, g, b, A_log=None, dt_bias=None):
+        gg = R.kda_gate(g, A_log, dt_bias) if gate else g
+        bb = torch.sigmoid(b) if bsig else b
+        return R.chunk_kda(q, k, v, gg, bb, output_final_state=True, use_qk_l2norm_in_kernel=l2, chunk_size=16)
+
+    for n, a, b in zip(names, _loss_grads(triton_fn, ts, o_w, s_w), _loss_grads(ref_fn, ts, o_w, s_w)):
+        assert a is not None and torch.isfinite(a).all(), n
+        assert rel_err(a, b) <= 1e-4, (n, rel_err(a, b))
 
 
 def test_chunk_kda_partial_requires_grad():
