@@ -7,38 +7,169 @@ N candidates, dout and out, writes N gradients. Our kernel takes the candidates 
 "ours (list)" row includes the `torch.stack` the model does today.
 
     . scripts/device_env.sh && python3 benchmarks/attnres.py
+
+`--variants` compares the two kernel designs instead (stacked input, same byte counts): "row" at its default launch
+and "tiled" over a pruned sweep of (block_t, block_d, num_warps), each checked against the fp32 reference (output)
+and against "row" (gradients) before it is timed, then prints one markdown table and the best tiled config per N:
+
+    . scripts/device_env.sh && python3 -u benchmarks/attnres.py --variants
+
+`--pass2 split,tile` also times the tiled kernels' other second-sweep form (`TILED_PASS2`) and
+`--programs-per-sm none,2,4` caps on resident programs (`TILED_PROGRAMS_PER_SM`); each multiplies the tiled runs.
+
+A tiny CPU smoke run of the same code path (interpreter, one timed call per config, timings meaningless):
+
+    TRITON_INTERPRET=1 python3 -u benchmarks/attnres.py --variants --device cpu --tokens 8 --hidden 64
 """
 
 import argparse
+import os
+import time
 
 import torch
 import triton
 
 from k3_kernels.attnres.reference import attn_res
+from k3_kernels.attnres import triton_attnres
 from k3_kernels.attnres.triton_attnres import attn_res_triton
 
 PEAK_TBS = 4.27
 
 
 def sweep_warps(T, d, N=9):
-    """Forward and forward + backward of the stacked kernel at each num_warps (monkeypatching `_launch_cfg`)."""
-    from k3_kernels.attnres import triton_attnres as mod
-
-    default = mod._launch_cfg
+    """Forward and forward + backward of the stacked "row" kernel at each num_warps."""
     v = torch.randn(N, T, d, device="cuda").bfloat16().requires_grad_()
     q = (torch.randn(1, d, device="cuda") * 0.05).requires_grad_()
     nw = (1 + 0.1 * torch.randn(d, device="cuda")).requires_grad_()
     dout = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
+    for warps in (4, 8, 16, 32):
+        kw = dict(variant="row", num_warps=warps)
+        with torch.no_grad():
+            f = triton.testing.do_bench(lambda: attn_res_triton(v, q, nw, 1e-5, **kw))
+        fb = triton.testing.do_bench(lambda: attn_res_triton(v, q, nw, 1e-5, **kw).backward(dout),
+                                     grad_to_none=[v, q, nw])
+        print(f"sweep N={N} num_warps={warps}: fwd {f:.3f} ms ({(N + 1) * T * d * 2 / f / 1e9:.2f} TB/s), "
+              f"fwd+bwd {fb:.3f} ms", flush=True)
+
+
+def tiled_configs(N, max_configs=20):
+    """(block_t, block_d, num_warps) of the "tiled" sweep: tiles of 16..128 fp32 values per thread (fewer leave
+    the SM short of loads in flight, more spill), at most `max_configs`. Wide slices (2048, 4096) are in because
+    pass 2 re-reads from L2: the bytes all resident programs touch between a slice's two reads grow as d / block_d
+    (with the register file, not the tile, bounding how many programs run), and must stay well under L2's 50 MB."""
+    NP = triton.next_power_of_2(N)
+    cfgs = []
+    for bt in (1, 2, 4):
+        for bd in (256, 512, 1024, 2048, 4096):
+            for warps in (4, 8):
+                if 16 <= bt * NP * bd // (32 * warps) <= 128:
+                    cfgs.append((bt, bd, warps))
+    return cfgs[:max_configs]
+
+
+def _timer(device):
+    """Median ms via do_bench on CUDA; on the CPU (interpreter smoke run) one wall-clock call."""
+    if device == "cuda":
+        return lambda fn, grad_to_none=None: triton.testing.do_bench(fn, warmup=10, rep=50, grad_to_none=grad_to_none)
+
+    def once(fn, grad_to_none=None):
+        for t in grad_to_none or ():
+            t.grad = None
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    return once
+
+
+def compare_variants(T, d, device="cuda", max_configs=20, pass2=("split",), per_sm=(None,)):
+    """"row" (default launch) vs "tiled" over `tiled_configs` (and each `TILED_PASS2` form in `pass2`), stacked
+    [N, T, d] bf16, N = 3, 6, 9."""
+    bench = _timer(device)
+    before = triton_attnres.TILED_PASS2, triton_attnres.TILED_PROGRAMS_PER_SM
     try:
-        for warps in (4, 8, 16, 32):
-            mod._launch_cfg = lambda D, w=warps: (default(D)[0], w)
-            with torch.no_grad():
-                f = triton.testing.do_bench(lambda: attn_res_triton(v, q, nw, 1e-5))
-            fb = triton.testing.do_bench(lambda: attn_res_triton(v, q, nw, 1e-5).backward(dout), grad_to_none=[v, q, nw])
-            print(f"sweep N={N} num_warps={warps}: fwd {f:.3f} ms ({(N + 1) * T * d * 2 / f / 1e9:.2f} TB/s), "
-                  f"fwd+bwd {fb:.3f} ms", flush=True)
+        _compare_variants(T, d, device, max_configs, pass2, per_sm, bench)
     finally:
-        mod._launch_cfg = default
+        triton_attnres.TILED_PASS2, triton_attnres.TILED_PROGRAMS_PER_SM = before
+
+
+def _compare_variants(T, d, device, max_configs, pass2, per_sm, bench):
+    rows = []
+    best = {}
+    for N in (3, 6, 9):
+        g = torch.Generator(device=device).manual_seed(N)
+        # Candidates of growing scale, as the depth stream has.
+        stacked = torch.stack([torch.randn(T, d, device=device, generator=g).bfloat16() * (i + 1) for i in range(N)])
+        q = torch.randn(1, d, device=device, generator=g) * 0.05
+        nw = 1 + 0.1 * torch.randn(d, device=device, generator=g)
+        ref = attn_res(stacked.float(), q, nw, 1e-5)  # [T, d] fp32
+        scale = ref.abs().max()
+        dout = torch.randn(T, d, device=device, generator=g).bfloat16()
+        fwd_bytes = (N + 1) * T * d * 2
+        bwd_bytes = (2 * N + 2) * T * d * 2 + T * d * 4
+        v_leaf = stacked.clone().requires_grad_()
+        qg, nwg = q.clone().requires_grad_(), nw.clone().requires_grad_()
+        grads_row = None
+        runs = [("row", (None, None, None), ("-", None))]
+        runs += [("tiled", c, (form, k)) for form in pass2 for k in per_sm for c in tiled_configs(N, max_configs)]
+        for variant, cfg, form in runs:
+            bt, bd, warps = cfg
+            kw = dict(variant=variant, block_t=bt, block_d=bd, num_warps=warps)
+            label = f"N={N} {variant} block_t={bt} block_d={bd} num_warps={warps} pass2={form[0]} per_sm={form[1]}"
+            if variant == "tiled":  # module settings, read by attn_res_triton at each call
+                triton_attnres.TILED_PASS2, triton_attnres.TILED_PROGRAMS_PER_SM = form
+            try:
+                with torch.no_grad():
+                    err = ((attn_res_triton(stacked, q, nw, 1e-5, **kw).float() - ref).abs().max() / scale).item()
+                for t in (v_leaf, qg, nwg):
+                    t.grad = None
+                attn_res_triton(v_leaf, qg, nwg, 1e-5, **kw).backward(dout)
+                grads = [t.grad.float().clone() for t in (v_leaf, qg, nwg)]  # timing below accumulates in .grad
+                if grads_row is None:
+                    grads_row, gerr = grads, 0.0
+                else:
+                    gerr = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+                               for a, b in zip(grads, grads_row))
+                del grads
+                with torch.no_grad():
+                    f_ms = bench(lambda: attn_res_triton(stacked, q, nw, 1e-5, **kw))
+                fb_ms = bench(lambda: attn_res_triton(v_leaf, qg, nwg, 1e-5, **kw).backward(dout),
+                              grad_to_none=[v_leaf, qg, nwg])
+            except Exception as exc:  # a config that does not compile (or run out of resources) must not stop the sweep
+                print(f"{label}: failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+                      flush=True)
+                if variant == "row":
+                    raise
+                continue
+            ok = "" if err < 2e-2 and gerr < 5e-2 else "  WRONG"
+            f_bw, fb_bw = fwd_bytes / f_ms / 1e9, (fwd_bytes + bwd_bytes) / fb_ms / 1e9
+            rows.append((N, variant, form, bt, bd, warps, err, gerr, f_ms, f_bw, fb_ms, fb_bw, ok))
+            print(f"{label}: rel err {err:.1e}, grad rel err vs row {gerr:.1e}{ok}, fwd {f_ms:.3f} ms "
+                  f"({f_bw:.2f} TB/s), fwd+bwd {fb_ms:.3f} ms ({fb_bw:.2f} TB/s)", flush=True)
+            if variant == "tiled" and not ok:
+                for key, ms in (("fwd", f_ms), ("fwd+bwd", fb_ms)):
+                    if (N, key) not in best or ms < best[N, key][0]:
+                        best[N, key] = (ms, cfg, form)
+        del stacked, ref, v_leaf, grads_row
+    dev = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
+    print(f"\nAttnRes variants, T = {T}, d = {d}, bf16, stacked input, {dev}, torch {torch.__version__}, "
+          f"triton {triton.__version__}\n", flush=True)
+    print("| N | variant | pass2, programs/SM | block_t | block_d | num_warps | rel err | grad rel err vs row | fwd ms "
+          "| fwd TB/s | fwd % of 4.27 | fwd+bwd ms | fwd+bwd TB/s | fwd+bwd % |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for N, variant, form, bt, bd, warps, err, gerr, f, fbw, fb, fbbw, ok in rows:
+        show = lambda x: "default" if x is None else x  # noqa: E731
+        print(f"| {N} | {variant}{ok} | {form[0]}, {show(form[1])} | {show(bt)} | {show(bd)} | {show(warps)} | "
+              f"{err:.1e} | {gerr:.1e} | {f:.3f} | {fbw:.2f} | {100 * fbw / PEAK_TBS:.0f} % | {fb:.3f} | {fbbw:.2f} | "
+              f"{100 * fbbw / PEAK_TBS:.0f} % |")
+    print(flush=True)
+    for N in (3, 6, 9):
+        for key in ("fwd", "fwd+bwd"):
+            if (N, key) in best:
+                ms, (bt, bd, warps), form = best[N, key]
+                print(f"best tiled {key} N={N}: block_t={bt} block_d={bd} num_warps={warps} pass2={form[0]} "
+                      f"TILED_PROGRAMS_PER_SM={form[1]} "
+                      f"({ms:.3f} ms)", flush=True)
 
 
 def main():
@@ -46,8 +177,32 @@ def main():
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--sweep", action="store_true", help="first time our kernels' num_warps at N = 9")
+    ap.add_argument("--variants", action="store_true", help="only compare the 'row' and 'tiled' kernel designs")
+    ap.add_argument("--max-configs", type=int, default=20, help="tiled configs per N in --variants")
+    ap.add_argument("--pass2", default="split",
+                    help="--variants: TILED_PASS2 forms to sweep, comma-separated ('split', 'tile'; both doubles it)")
+    ap.add_argument("--programs-per-sm", default="none",
+                    help="--variants: TILED_PROGRAMS_PER_SM values to sweep, comma-separated ('none' or ints)")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="--variants only; cpu needs TRITON_INTERPRET=1 (a smoke run, timings meaningless)")
     args = ap.parse_args()
     T, d = args.tokens, args.hidden
+    if args.variants:
+        if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            ap.error("--device cpu needs TRITON_INTERPRET=1 in the environment (set before triton is imported)")
+        forms = tuple(f.strip() for f in args.pass2.split(",") if f.strip())
+        if not forms or any(f not in ("split", "tile") for f in forms):
+            ap.error(f"--pass2 takes 'split', 'tile' or 'split,tile', got {args.pass2!r}")
+        try:
+            per_sm = tuple(None if x.strip() == "none" else int(x) for x in args.programs_per_sm.split(","))
+        except ValueError:
+            ap.error(f"--programs-per-sm takes 'none' or ints, comma-separated, got {args.programs_per_sm!r}")
+        if any(k is not None and k < 1 for k in per_sm):
+            ap.error("--programs-per-sm values must be >= 1")
+        compare_variants(T, d, args.device, args.max_configs, forms, per_sm)
+        return
+    if args.device != "cuda":
+        ap.error("--device cpu is supported with --variants only")
     if args.sweep:
         sweep_warps(T, d)
     try:
@@ -92,7 +247,8 @@ def main():
             fb_ms = triton.testing.do_bench(train[name], grad_to_none=leaves + [st_leaf, qg, nwg])
             rows.append((N, name, f_ms, fwd_bytes / f_ms / 1e9, fb_ms, (fwd_bytes + bwd_bytes) / fb_ms / 1e9))
             print(f"N={N} {name}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms", flush=True)
-    print(f"\nAttnRes, T = {T}, d = {d}, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}\n")
+    print(f"\nAttnRes, T = {T}, d = {d}, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"triton {triton.__version__}, ours = variant {triton_attnres.DEFAULT_VARIANT!r} at its default launch\n")
     print("| N | path | fwd ms | fwd TB/s | fwd % of 4.27 | fwd+bwd ms | fwd+bwd TB/s | fwd+bwd % |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for N, name, f, fbw, fb, fbbw in rows:

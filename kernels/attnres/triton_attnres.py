@@ -1,7 +1,7 @@
 """Fused Block Attention Residuals (AttnRes) in Triton: the per-token softmax mix over depth candidates.
 
-Same maths as `reference.attn_res` (beside this file), written so each candidate row is read from memory once
-(an online softmax over the candidates, a whole row in registers) and nothing of size `[N, T, d]` is made in fp32:
+Same maths as `reference.attn_res` (beside this file), written so each candidate row is read from HBM once and
+nothing of size `[N, T, d]` is made in fp32:
 
     logit_i = r_i * p_i,   r_i = rsqrt(mean(v_i^2) + eps),   p_i = <v_i, norm_weight * query_weight>
     alpha = softmax_i(logit),   out = sum_i alpha_i v_i
@@ -13,6 +13,38 @@ Backward (one read of every candidate row, `out` and `dout`; `sum_j alpha_j dalp
     dv_i = alpha_i dout + dlogit_i (r_i w - p_i r_i^3 v_i / d)
     dw = sum_{t, i} dlogit_i r_i v_i   (partial sums per program of 16 tokens, summed by torch)
 
+Two designs of the same maths, chosen with `attn_res_triton(..., variant=)` (default `DEFAULT_VARIANT`):
+
+* "row" (`_attnres_fwd` / `_attnres_bwd`): one program per token, the whole d-row of ONE candidate in registers,
+  an online softmax over the candidates. Every byte is read once, but candidate i + 1's load can only overlap
+  candidate i's full-row reductions (which end in barriers), so few loads are in flight per SM: 38 % of HBM
+  bandwidth at N = 9, d = 7168 on the H200.
+* "tiled" (`_attnres_fwd_tiled` / `_attnres_bwd_tiled`): one program per BLOCK_T tokens, d walked in slices of
+  BLOCK_D, each slice of ALL candidates loaded at once (a `[BLOCK_T, NP, BLOCK_D]` tile, NP = next power of two
+  >= N, rows i >= N masked, never loaded). The N loads of a slice are independent of each other and of the
+  previous slice's arithmetic (only fp32 `[BLOCK_T, NP]` partial sums are carried), so each warp has up to N
+  times more loads in flight: memory-level parallelism instead of latency-bound chains. Two passes:
+  forward pass 1 accumulates ss_i = sum v_i^2 and pw_i = <v_i, w> over the slices, then logit_i = rsqrt(ss_i / d
+  + eps) pw_i and the softmax over the valid candidates; pass 2 re-reads the slices and writes out = sum_i
+  alpha_i v_i. The re-read should come from L2: the program read those bytes moments before (pass 1 loads hint
+  `evict_last`, pass 2 loads `evict_first`); HBM traffic stays one read of every candidate as long as what all
+  resident programs read between a slice's two reads fits in L2 (`TILED_PROGRAMS_PER_SM` caps the resident
+  programs; `benchmarks/attnres.py --variants` sweeps BLOCK_T, BLOCK_D and num_warps).
+  No barrier inside the d loops (checked in the sm_90 PTX for the default "split" form): pass 1 views a slice
+  as `[BLOCK_T, C, NP, CHUNK]` (CHUNK = 256 = 32 lanes x 8 bf16) so the warps sit on the candidate axis and
+  its sums stay inside a warp; w and dout are loaded at the tile's full shape (L1 repeats) rather than
+  broadcast, which would cost a layout conversion through shared memory; pass 2 ("split", `TILED_PASS2`)
+  takes the candidates one `[BLOCK_T, BLOCK_D]` load at a time (unrolled, still N independent loads) rather
+  than summing a 3D tile over the candidate axis across warps, reading alpha_i and the backward's
+  per-candidate coefficients back from tiny global buffers after one barrier.
+  The forward saves r_i and p_i (`[N, T]` fp32, tiny), so backward pass 1 needs only dalpha_i = <dout, v_i>;
+  since all N dalpha of a token are then at hand, `<dout, out> = sum_j alpha_j dalpha_j` is formed in fp32
+  from them, exactly, so this design neither writes an fp32 copy of `out` in the forward nor reads `out` in the
+  backward (the row design needs that copy: it sees one candidate at a time and must know `<dout, out>` first).
+  Backward pass 2 re-reads `dout` and the slices (L2) and writes dv_i; each program handles about 16 tokens
+  (BLOCK_T at a time) and adds its dw slice partials into its own fp32 row of a `[programs, d]` buffer (a
+  barrier between token blocks orders the read-modify-writes), summed by torch: deterministic, no atomics.
+
 Triton is imported here, so import this module only where Triton is available (see `k3_kernels.dispatch`).
 """
 
@@ -22,7 +54,30 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["attn_res_triton"]
+__all__ = ["attn_res_triton", "DEFAULT_VARIANT", "VARIANTS", "TILED_PASS2", "TILED_PROGRAMS_PER_SM"]
+
+VARIANTS = ("row", "tiled")
+# Design used when `attn_res_triton` is called without `variant=` (as `k3_kernels.dispatch` does). "auto" = the
+# faster one as measured on the H200 (BENCHMARKS.md, fourth session; T = 8K, d = 7168, bf16): "tiled" for the
+# forward at every N (N = 3 / 6 / 9: 0.149 / 0.333 / 0.481 ms against the row design's 0.257 / 0.453 / 0.687)
+# and for forward + backward up to 8 candidates (N = 3 / 6: 0.578 / 1.126 against 0.749 / 1.238 ms), "row" for
+# forward + backward above 8 (N = 9: 1.737 against the best tiled 1.894 ms: its backward's second sweep over
+# dout and all nine candidates misses L2 more).
+DEFAULT_VARIANT = "auto"
+# "tiled" tokens per program when block_t is not given (block_t = 2 was slower at every N measured).
+DEFAULT_TILED_BLOCK_T = 1
+# How the tiled kernels' second d-sweep reads the candidates: "split" = N separate [BLOCK_T, BLOCK_D] loads per
+# slice (no sum over the candidate axis, which may cross warps), "tile" = the [BLOCK_T, NP, BLOCK_D] tile of
+# pass 1 again. `benchmarks/attnres.py --variants --pass2 split,tile` measures both.
+TILED_PASS2 = "split"
+# Programs per SM of the tiled kernels: None = one program per BLOCK_T tokens in the forward, per ~16 tokens in
+# the backward; k = at most k programs per SM, each taking a contiguous run of token blocks (bounds what L2 must
+# hold between a slice's two reads, and the backward's dw partial rows). `--programs-per-sm` in the benchmark.
+TILED_PROGRAMS_PER_SM = None
+# Widest chunk of pass 1's [BLOCK_T, C, NP, CHUNK] view (see `_attnres_fwd_tiled`): 32 lanes x 8 bf16 = 256.
+# The tests lower it to run C > 1 on small shapes.
+_TILED_CHUNK = 256
+_MAX_TILE = 1 << 16  # elements of one [BLOCK_T, NP, BLOCK_D] tile: beyond this the registers spill hopelessly
 
 
 @triton.jit
@@ -96,21 +151,228 @@ def _attnres_bwd(
     tl.store(DW + pid.to(tl.int64) * D + offs, dw, mask=dmask)
 
 
-def _launch_cfg(D: int):
+@triton.jit
+def _attnres_fwd_tiled(
+    V, W, O, ALPHA, RS, PS, T, D, eps, NB, N: tl.constexpr, NP: tl.constexpr, SAVE_STATS: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+):
+    # NB blocks of BLOCK_T tokens per program, one after the other (NB > 1 bounds how many programs run at once,
+    # hence what L2 must hold between a slice's two reads); every d-slice is one [BLOCK_T, NP, BLOCK_D] load of
+    # all candidates at once (independent loads: memory-level parallelism), only [BLOCK_T, NP] fp32 partial
+    # sums cross slices.
+    offs_n = tl.arange(0, NP)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_c = tl.arange(0, BLOCK_D // CHUNK) * CHUNK  # [C = BLOCK_D // CHUNK] chunk starts inside a slice
+    offs_j = tl.arange(0, CHUNK)
+    nmask = offs_n < N
+    for b in range(NB):
+        offs_t = (tl.program_id(0).to(tl.int64) * NB + b) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+        tmask = offs_t < T
+        rmask = tmask[:, None] & nmask[None, :]  # [BLOCK_T, NP]
+        rows = (offs_n[None, :].to(tl.int64) * T + offs_t[:, None]) * D  # [BLOCK_T, NP]: start of v[i, t, :]
+        ss = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
+        pw = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
+        # Pass 1 views a slice as [BLOCK_T, C, NP, CHUNK] (BLOCK_D = C * CHUNK, CHUNK <= 256): a warp's 32 lanes
+        # x 8 values span one CHUNK, so Triton's default layout puts the warps on the candidate axis and both
+        # sums (over CHUNK: lanes, over C: a thread's own registers) stay inside a warp, with no shared memory
+        # or barrier per slice. w is loaded at that full shape (repeats hit L1) for the same reason.
+        for d0 in range(0, D, BLOCK_D):
+            dd = tl.multiple_of(d0, BLOCK_D) + offs_c[None, :, None, None] + offs_j[None, None, None, :]
+            vmask = rmask[:, None, :, None] & (dd < D)  # [BLOCK_T, C, NP, CHUNK]
+            w = tl.load(W + tl.zeros([BLOCK_T, BLOCK_D // CHUNK, NP, 1], dtype=tl.int32) + dd, mask=vmask,
+                        other=0.0)
+            v = tl.load(
+                V + rows[:, None, :, None] + dd, mask=vmask, other=0.0,
+                eviction_policy="evict_last",  # read again by pass 2 right away: keep it in L2
+            ).to(tl.float32)
+            ss += tl.sum(tl.sum(v * v, axis=3), axis=1)
+            pw += tl.sum(tl.sum(v * w, axis=3), axis=1)
+        r = 1.0 / tl.sqrt(ss / D + eps)
+        logit = tl.where(nmask[None, :], r * pw, float("-inf"))  # padded candidates get no weight
+        m = tl.max(logit, axis=1)
+        e = tl.exp(logit - m[:, None])
+        alpha = e / tl.sum(e, axis=1)[:, None]  # [BLOCK_T, NP]
+        sidx = offs_n[None, :] * T + offs_t[:, None]  # [BLOCK_T, NP] into the [N, T] buffers
+        tl.store(ALPHA + sidx, alpha, mask=rmask)
+        if SAVE_STATS:
+            tl.store(RS + sidx, r, mask=rmask)
+            tl.store(PS + sidx, pw, mask=rmask)
+        if SPLIT:
+            # Pass 2 takes the candidates one [BLOCK_T, BLOCK_D] load at a time (still N independent loads per
+            # slice): the sum over the padded candidate axis of a 3D tile may cross warps (shared memory and a
+            # barrier per slice), the unrolled per-candidate FMAs need neither. alpha_i is read back from ALPHA
+            # (L1): the barrier makes this program's stores visible to all its threads.
+            tl.debug_barrier()
+            for d0 in range(0, D, BLOCK_D):
+                dd = tl.multiple_of(d0, BLOCK_D) + offs_d
+                omask = tmask[:, None] & (dd < D)[None, :]  # [BLOCK_T, BLOCK_D]
+                acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+                for i in tl.static_range(N):
+                    a = tl.load(ALPHA + i * T + offs_t, mask=tmask, other=0.0)  # [BLOCK_T]
+                    v = tl.load(V + (offs_t[:, None] + i * T) * D + dd[None, :], mask=omask, other=0.0,
+                                eviction_policy="evict_first").to(tl.float32)
+                    acc += a[:, None] * v
+                tl.store(O + offs_t[:, None] * D + dd[None, :], acc.to(O.dtype.element_ty), mask=omask)
+        else:
+            # Pass 2 on the same [BLOCK_T, NP, BLOCK_D] tiles, summed over the candidate axis.
+            for d0 in range(0, D, BLOCK_D):
+                dd = tl.multiple_of(d0, BLOCK_D) + offs_d
+                dmask = dd < D
+                v = tl.load(
+                    V + rows[:, :, None] + dd[None, None, :], mask=rmask[:, :, None] & dmask[None, None, :],
+                    other=0.0, eviction_policy="evict_first",
+                ).to(tl.float32)
+                out = tl.sum(alpha[:, :, None] * v, axis=1)  # [BLOCK_T, BLOCK_D]
+                tl.store(O + offs_t[:, None] * D + dd[None, :], out.to(O.dtype.element_ty),
+                         mask=tmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _attnres_bwd_tiled(
+    V, W, DO, ALPHA, RS, PS, SCR, DV, DW, T, D, NB, N: tl.constexpr, NP: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+):
+    # NB token blocks of BLOCK_T tokens per program, each done in two d-sweeps (pass 2 re-reads from L2).
+    # r_i, p_i come from the forward, so pass 1 needs only dalpha_i = <dout, v_i>; <dout, out> is
+    # sum_j alpha_j dalpha_j, formed from those in fp32 (no out read). SCR: [2, N, T] fp32 scratch for the
+    # per-candidate coefficients pass 2 reads back.
+    pid = tl.program_id(0)
+    offs_n = tl.arange(0, NP)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_c = tl.arange(0, BLOCK_D // CHUNK) * CHUNK  # [C = BLOCK_D // CHUNK] chunk starts inside a slice
+    offs_j = tl.arange(0, CHUNK)
+    nmask = offs_n < N
+    dw_row = DW + pid.to(tl.int64) * D
+    for b in range(NB):
+        offs_t = (pid.to(tl.int64) * NB + b) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+        tmask = offs_t < T
+        rmask = tmask[:, None] & nmask[None, :]  # [BLOCK_T, NP]
+        rows = (offs_n[None, :].to(tl.int64) * T + offs_t[:, None]) * D  # [BLOCK_T, NP]
+        orow = offs_t[:, None] * D  # [BLOCK_T, 1]
+        sidx = offs_n[None, :] * T + offs_t[:, None]
+        # Masked (padded candidate or past-the-end token) entries load alpha = r = 0: no gradient from them.
+        alpha = tl.load(ALPHA + sidx, mask=rmask, other=0.0)
+        r = tl.load(RS + sidx, mask=rmask, other=0.0)
+        p = tl.load(PS + sidx, mask=rmask, other=0.0)
+        da = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
+        # Pass 1 in the forward's [BLOCK_T, C, NP, CHUNK] view; dout loaded at that full shape as w there (no
+        # layout conversion; the repeats hit L1).
+        do_rows4 = orow[:, :, None, None] + tl.zeros([BLOCK_T, BLOCK_D // CHUNK, NP, 1], dtype=tl.int64)
+        for d0 in range(0, D, BLOCK_D):
+            dd = tl.multiple_of(d0, BLOCK_D) + offs_c[None, :, None, None] + offs_j[None, None, None, :]
+            vmask = rmask[:, None, :, None] & (dd < D)  # [BLOCK_T, C, NP, CHUNK]
+            do = tl.load(DO + do_rows4 + dd, mask=vmask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            v = tl.load(V + rows[:, None, :, None] + dd, mask=vmask, other=0.0,
+                        eviction_policy="evict_last").to(tl.float32)
+            da += tl.sum(tl.sum(do * v, axis=3), axis=1)
+        do_rows = orow[:, :, None] + tl.zeros([BLOCK_T, NP, 1], dtype=tl.int64)  # [BLOCK_T, NP, 1], "tile" pass 2
+        do_o = tl.sum(alpha * da, axis=1)  # [BLOCK_T] = <dout, out>
+        dlogit = alpha * (da - do_o[:, None])
+        if SPLIT:
+            tl.store(SCR + sidx, dlogit * r, mask=rmask)  # coefficient of w in dv_i, and of v_i in dw
+            tl.store(SCR + N * T + sidx, dlogit * p * r * r * r / D, mask=rmask)  # coefficient of v_i in dv_i
+            tl.debug_barrier()  # pass 2's threads read those back
+            # Pass 2 one candidate at a time, as the forward's SPLIT pass 2 (no cross-warp sum over candidates).
+            for d0 in range(0, D, BLOCK_D):
+                dd = tl.multiple_of(d0, BLOCK_D) + offs_d
+                dmask = dd < D
+                omask = tmask[:, None] & dmask[None, :]  # [BLOCK_T, BLOCK_D]
+                w = tl.load(W + dd, mask=dmask, other=0.0)
+                do = tl.load(DO + orow + dd[None, :], mask=omask, other=0.0,
+                             eviction_policy="evict_first").to(tl.float32)
+                dwp = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+                for i in tl.static_range(N):
+                    a = tl.load(ALPHA + i * T + offs_t, mask=tmask, other=0.0)  # [BLOCK_T]
+                    cw = tl.load(SCR + i * T + offs_t, mask=tmask, other=0.0)
+                    cv = tl.load(SCR + (N + i) * T + offs_t, mask=tmask, other=0.0)
+                    vi = (offs_t[:, None] + i * T) * D + dd[None, :]  # [BLOCK_T, BLOCK_D] into [N, T, D]
+                    v = tl.load(V + vi, mask=omask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                    dv = a[:, None] * do + cw[:, None] * w[None, :] - cv[:, None] * v
+                    tl.store(DV + vi, dv.to(DV.dtype.element_ty), mask=omask)
+                    dwp += cw[:, None] * v
+                part = tl.sum(dwp, axis=0)  # [BLOCK_D]
+                # The program's own dw row (L2-resident), read-modify-written; the first block starts from zero.
+                prev = tl.load(dw_row + dd, mask=dmask & (b > 0), other=0.0)
+                tl.store(dw_row + dd, prev + part, mask=dmask)
+        else:
+            cw = dlogit * r  # [BLOCK_T, NP] coefficient of w in dv_i, and of v_i in dw
+            cv = dlogit * p * r * r * r / D  # coefficient of v_i in dv_i
+            for d0 in range(0, D, BLOCK_D):
+                dd = tl.multiple_of(d0, BLOCK_D) + offs_d
+                dmask = dd < D
+                vmask = rmask[:, :, None] & dmask[None, None, :]
+                w = tl.load(W + tl.zeros([BLOCK_T, NP, 1], dtype=tl.int32) + dd[None, None, :], mask=vmask,
+                            other=0.0)
+                do = tl.load(DO + do_rows + dd[None, None, :], mask=vmask, other=0.0,
+                             eviction_policy="evict_first").to(tl.float32)
+                v = tl.load(V + rows[:, :, None] + dd[None, None, :], mask=vmask, other=0.0,
+                            eviction_policy="evict_first").to(tl.float32)
+                dv = alpha[:, :, None] * do + cw[:, :, None] * w - cv[:, :, None] * v
+                tl.store(DV + rows[:, :, None] + dd[None, None, :], dv.to(DV.dtype.element_ty), mask=vmask)
+                part = tl.sum(tl.sum(cw[:, :, None] * v, axis=1), axis=0)  # [BLOCK_D]
+                prev = tl.load(dw_row + dd, mask=dmask & (b > 0), other=0.0)
+                tl.store(dw_row + dd, prev + part, mask=dmask)
+        # The next block overwrites SCR's entries of other tokens only, but reads back the dw row that other
+        # threads of this program just stored: order it.
+        tl.debug_barrier()
+
+
+def _launch_cfg(D: int, num_warps: int | None = None):
     BLOCK_D = max(16, triton.next_power_of_2(D))
     if BLOCK_D > 16384:
         raise ValueError(f"attn_res_triton keeps a whole row in registers: hidden size {D} > 16384 is not supported")
-    # ~32 fp32 values of a row per thread.
-    num_warps = max(1, min(16, BLOCK_D // (32 * 32)))
+    if num_warps is None:
+        # ~32 fp32 values of a row per thread.
+        num_warps = max(1, min(16, BLOCK_D // (32 * 32)))
     return BLOCK_D, num_warps
 
 
 _BWD_ROWS = 16  # tokens per backward program: partial dw buffers are T/16 rows of d floats
 
 
+def _is_pow2(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0 and (x & (x - 1)) == 0
+
+
+def _check_pow2(name: str, value, lo: int, hi: int):
+    if not (_is_pow2(value) and lo <= value <= hi):
+        raise ValueError(f"{name} must be a power of two in [{lo}, {hi}], got {value!r}")
+
+
+def _tiled_grid(n_blocks: int, min_nb: int, per_sm, device) -> tuple[int, int]:
+    """(programs, token blocks per program) for `n_blocks` blocks, at least `min_nb` blocks per program."""
+    nb = min_nb
+    if per_sm is not None:
+        # The interpreter has no SMs: 2 stands in, so the tests exercise several blocks per program.
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+        nb = max(nb, triton.cdiv(n_blocks, per_sm * sms))
+    return triton.cdiv(n_blocks, nb), nb
+
+
+def _tiled_cfg(N: int, D: int, block_t, block_d, num_warps, grad: bool = False):
+    """(BLOCK_T, NP, BLOCK_D, num_warps) of the tiled kernels; arguments already validated or None."""
+    NP = triton.next_power_of_2(N)
+    block_t = DEFAULT_TILED_BLOCK_T if block_t is None else block_t
+    if block_d is None:
+        # 16K-element slices of all candidates: the fastest forward measured at N = 3, 6 and 9 (block_d 4096,
+        # 2048, 1024 at d = 7168; narrower slices leave fewer bytes in flight, wider ones spill)
+        block_d = max(256, (_MAX_TILE // 4) // (NP * block_t))
+    # A slice wider than the (padded) row only adds masked lanes.
+    block_d = min(block_d, max(16, triton.next_power_of_2(D)))
+    if block_t * NP * block_d > _MAX_TILE:
+        raise ValueError(
+            f"block_t * next_pow2(N) * block_d = {block_t} * {NP} * {block_d} exceeds {_MAX_TILE} elements per tile"
+        )
+    if num_warps is None:
+        # measured: 4 warps best for the forward at N = 3 and 9, 8 at N = 6 and whenever the backward runs too
+        num_warps = 8 if (grad or NP == 8) else 4
+    return block_t, NP, block_d, num_warps
+
+
 class _AttnResFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, v, query_weight, norm_weight, eps):
+    def forward(ctx, v, query_weight, norm_weight, eps, cfg):
+        variant, block_t, block_d, num_warps, split, per_sm, chunk = cfg
         N, D = v.shape[0], v.shape[-1]
         lead = v.shape[1:-1]
         v3 = v.reshape(N, -1, D).contiguous()  # [N, T, D], T = all leading token dims
@@ -119,41 +381,95 @@ class _AttnResFunction(torch.autograd.Function):
         out = torch.empty((T, D), device=v.device, dtype=v.dtype)
         alpha = torch.empty((N, T), device=v.device, dtype=torch.float32)
         grad = any(ctx.needs_input_grad[:3])
+        ctx.lead, ctx.eps, ctx.cfg = lead, eps, cfg
+        if variant == "tiled":
+            BLOCK_T, NP, BLOCK_D, warps = _tiled_cfg(N, D, block_t, block_d, num_warps, grad)
+            # r_i and p_i per (candidate, token): backward then needs only <dout, v_i> from its first sweep.
+            rs = torch.empty((N, T), device=v.device, dtype=torch.float32) if grad else alpha
+            ps = torch.empty((N, T), device=v.device, dtype=torch.float32) if grad else alpha
+            if T > 0:
+                n_prog, nb = _tiled_grid(triton.cdiv(T, BLOCK_T), 1, per_sm, v.device)
+                _attnres_fwd_tiled[(n_prog,)](
+                    v3, w, out, alpha, rs, ps, T, D, eps, nb, N=N, NP=NP, SAVE_STATS=grad, SPLIT=split, BLOCK_T=BLOCK_T,
+                    BLOCK_D=BLOCK_D, CHUNK=min(BLOCK_D, chunk), num_warps=warps,
+                )
+            ctx.save_for_backward(v3, w, alpha, rs, ps, query_weight, norm_weight)
+            return out.view(*lead, D)
         out_f32 = out if v.dtype == torch.float32 or not grad else torch.empty(out.shape, device=v.device)
-        BLOCK_D, num_warps = _launch_cfg(D)
+        BLOCK_D, warps = _launch_cfg(D, num_warps)
         if T > 0:
             _attnres_fwd[(T,)](
                 v3, w, out, out_f32, alpha, T, D, eps, N=N, SAVE_F32=out_f32 is not out, BLOCK_D=BLOCK_D,
-                num_warps=num_warps,
+                num_warps=warps,
             )
         ctx.save_for_backward(v3, w, out_f32, alpha, query_weight, norm_weight)
-        ctx.lead, ctx.eps = lead, eps
         return out.view(*lead, D)
 
     @staticmethod
     def backward(ctx, dout):
-        v3, w, out, alpha, query_weight, norm_weight = ctx.saved_tensors
+        variant, block_t, block_d, num_warps, split, per_sm, chunk = ctx.cfg
+        if variant == "tiled":
+            v3, w, alpha, rs, ps, query_weight, norm_weight = ctx.saved_tensors
+        else:
+            v3, w, out, alpha, query_weight, norm_weight = ctx.saved_tensors
         N, T, D = v3.shape
         do = dout.reshape(T, D).contiguous()
         dv = torch.empty_like(v3)
-        n_prog = triton.cdiv(T, _BWD_ROWS)
+        if variant == "tiled":
+            BLOCK_T, NP, BLOCK_D, warps = _tiled_cfg(N, D, block_t, block_d, num_warps, grad=True)
+            # ~16 tokens per program at least, as the row design: fewer dw partial rows
+            n_prog, nb = _tiled_grid(triton.cdiv(T, BLOCK_T), max(1, _BWD_ROWS // BLOCK_T), per_sm, v3.device)
+        else:
+            n_prog = triton.cdiv(T, _BWD_ROWS)
         dw_part = torch.empty((max(n_prog, 1), D), device=v3.device, dtype=torch.float32)
-        BLOCK_D, num_warps = _launch_cfg(D)
-        if T > 0:
-            _attnres_bwd[(n_prog,)](
-                v3, w, out, do, alpha, dv, dw_part, T, D, ctx.eps, N=N, ROWS=_BWD_ROWS, BLOCK_D=BLOCK_D,
-                num_warps=num_warps,
+        if T == 0:
+            dw_part.zero_()
+        elif variant == "tiled":
+            # [2, N, T] per-candidate coefficients of the split pass 2 (unused by "tile")
+            scratch = torch.empty((2, N, T) if split else (1,), device=v3.device, dtype=torch.float32)
+            _attnres_bwd_tiled[(n_prog,)](
+                v3, w, do, alpha, rs, ps, scratch, dv, dw_part, T, D, nb, N=N, NP=NP, SPLIT=split,
+                BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, CHUNK=min(BLOCK_D, chunk), num_warps=warps,
             )
         else:
-            dw_part.zero_()
+            BLOCK_D, warps = _launch_cfg(D, num_warps)
+            _attnres_bwd[(n_prog,)](
+                v3, w, out, do, alpha, dv, dw_part, T, D, ctx.eps, N=N, ROWS=_BWD_ROWS, BLOCK_D=BLOCK_D,
+                num_warps=warps,
+            )
         dw = dw_part.sum(0)  # [D]
         dq = (dw * norm_weight.reshape(D).float()).reshape(query_weight.shape).to(query_weight.dtype)
         dn = (dw * query_weight.reshape(D).float()).reshape(norm_weight.shape).to(norm_weight.dtype)
-        return dv.view(N, *ctx.lead, D), dq, dn, None
+        return dv.view(N, *ctx.lead, D), dq, dn, None, None
 
 
-def attn_res_triton(candidates, query_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float = 1e-5):
-    """Drop-in for `reference.attn_res` on CUDA (or under `TRITON_INTERPRET=1`): list or stacked `[N, ..., d]`."""
+def attn_res_triton(
+    candidates,
+    query_weight: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float = 1e-5,
+    *,
+    variant: str | None = None,
+    block_t: int | None = None,
+    block_d: int | None = None,
+    num_warps: int | None = None,
+):
+    """Drop-in for `reference.attn_res` on CUDA (or under `TRITON_INTERPRET=1`): list or stacked `[N, ..., d]`.
+
+    `variant`: "row", "tiled" (see the module docstring) or "auto" (the faster for this call: "row" only when
+    gradients are needed and there are more than 8 candidates), None = `DEFAULT_VARIANT`. `block_t` (tokens per
+    program, 1..16) and `block_d` (d-slice width, 16..16384), powers of two, apply to "tiled" only; `num_warps`
+    (power of two, 1..32) to both. None picks the defaults.
+    """
+    variant = DEFAULT_VARIANT if variant is None else variant
+    if variant not in VARIANTS + ("auto",):
+        raise ValueError(f"variant must be one of {VARIANTS + ('auto',)}, got {variant!r}")
+    if block_t is not None:
+        _check_pow2("block_t", block_t, 1, 16)
+    if block_d is not None:
+        _check_pow2("block_d", block_d, 16, 16384)
+    if num_warps is not None:
+        _check_pow2("num_warps", num_warps, 1, 32)
     v = candidates if isinstance(candidates, torch.Tensor) else torch.stack(list(candidates), dim=0)
     if v.dim() < 2:
         raise ValueError(f"stacked candidates must be [N, ..., d], got {tuple(v.shape)}")
@@ -162,6 +478,20 @@ def attn_res_triton(candidates, query_weight: torch.Tensor, norm_weight: torch.T
         raise ValueError(
             f"query_weight {tuple(query_weight.shape)} and norm_weight {tuple(norm_weight.shape)} must have {d} elements"
         )
-    if v.shape[0] > 16:
-        raise ValueError(f"attn_res_triton supports at most 16 depth candidates, got {v.shape[0]}")
-    return _AttnResFunction.apply(v, query_weight, norm_weight, float(eps))
+    if not 1 <= v.shape[0] <= 16:
+        raise ValueError(f"attn_res_triton supports 1 to at most 16 depth candidates, got {v.shape[0]}")
+    if variant == "auto":
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (v, query_weight, norm_weight))
+        variant = "row" if (grad and v.shape[0] > 8) else "tiled"
+    if variant == "row" and (block_t is not None or block_d is not None):
+        raise ValueError("block_t and block_d apply only to variant='tiled' (the row design keeps whole rows)")
+    if variant == "tiled":
+        _tiled_cfg(v.shape[0], d, block_t, block_d, num_warps)  # tile-size errors before any launch
+    if TILED_PASS2 not in ("split", "tile"):
+        raise ValueError(f"TILED_PASS2 must be 'split' or 'tile', got {TILED_PASS2!r}")
+    per_sm = TILED_PROGRAMS_PER_SM
+    if per_sm is not None and not (isinstance(per_sm, int) and not isinstance(per_sm, bool) and per_sm > 0):
+        raise ValueError(f"TILED_PROGRAMS_PER_SM must be None or a positive int, got {per_sm!r}")
+    # The module settings are read once here, so the backward runs the forward's configuration.
+    cfg = (variant, block_t, block_d, num_warps, TILED_PASS2 == "split", per_sm, _TILED_CHUNK)
+    return _AttnResFunction.apply(v, query_weight, norm_weight, float(eps), cfg)

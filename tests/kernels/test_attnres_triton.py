@@ -3,7 +3,8 @@
 Runs on the CPU under `TRITON_INTERPRET=1` (set in conftest.py when there is no GPU) and compiled on CUDA.
 Tolerance rule: fp32 inputs rel_err <= 1e-5 forward and 1e-4 backward against the fp32 reference; bf16 inputs
 rel_err <= 1e-2 forward and 2e-2 backward (the incoming gradient is bf16 too) against the fp32
-reference evaluated on the same bf16 values.
+reference evaluated on the same bf16 values. The same rule holds for both kernel designs ("row", "tiled") and every
+tiled launch configuration tested.
 """
 
 import os
@@ -17,6 +18,7 @@ from helpers import rel_err
 from k3_kernels.attnres.reference import attn_res
 
 triton = pytest.importorskip("triton")
+from k3_kernels.attnres import triton_attnres  # noqa: E402
 from k3_kernels.attnres.triton_attnres import attn_res_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -32,11 +34,36 @@ def _inputs(N, lead, d, dtype, seed):
     return cands, q, nw
 
 
+# (variant, block_t, block_d, num_warps, TILED_PASS2, TILED_PROGRAMS_PER_SM, _TILED_CHUNK); None = the default.
+# The explicit tiled configs leave d not a multiple of block_d (d = 100, 200) and T not a multiple of block_t
+# (T = 5, 21, 13 with 2; T = 5, 21, 13, 18 with 4), and T = 18 > 16 gives the tiled backward two programs of
+# several token blocks each (its dw read-modify-write). Both forms of the tiled second sweep ("split", "tile")
+# are covered; a programs-per-SM cap (the interpreter counts 2 SMs) makes forward programs run several token
+# blocks too; a chunk below block_d runs pass 1's [block_t, C, NP, chunk] view with C > 1 (on the GPU: block_d
+# >= 512 with the default chunk 256).
+CONFIGS = [
+    ("row", None, None, None, "split", None, 256),
+    ("tiled", None, None, None, "split", None, 256),
+    ("tiled", 2, 64, 4, "split", None, 16),
+    ("tiled", 4, 32, 2, "split", None, 256),
+    ("tiled", None, None, None, "tile", None, 32),
+    ("tiled", 4, 32, 2, "tile", None, 256),
+    ("tiled", 2, 64, 4, "split", 1, 256),
+    ("tiled", 1, 32, 4, "tile", 2, 16),
+]
+
+
+@pytest.mark.parametrize("variant,block_t,block_d,num_warps,pass2,per_sm,chunk", CONFIGS, ids=lambda c: str(c))
 @pytest.mark.parametrize("N,lead,d", [(1, (5,), 16), (2, (3, 7), 100), (5, (13,), 200), (9, (2, 9), 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_reference_forward_backward(N, lead, d, dtype):
+def test_matches_reference_forward_backward(N, lead, d, dtype, variant, block_t, block_d, num_warps, pass2, per_sm,
+                                            chunk, monkeypatch):
+    monkeypatch.setattr(triton_attnres, "TILED_PASS2", pass2)
+    monkeypatch.setattr(triton_attnres, "TILED_PROGRAMS_PER_SM", per_sm)
+    monkeypatch.setattr(triton_attnres, "_TILED_CHUNK", chunk)
     cands, q, nw = _inputs(N, lead, d, dtype, seed=N * 1000 + d)
-    out = attn_res_triton(cands, q, nw, 1e-5)
+    out = attn_res_triton(cands, q, nw, 1e-5, variant=variant, block_t=block_t, block_d=block_d,
+                          num_warps=num_warps)
     assert out.dtype == dtype and out.shape == (*lead, d)
     ref_in = [c.detach().float().requires_grad_() for c in cands]
     q_ref, nw_ref = q.detach().clone().requires_grad_(), nw.detach().clone().requires_grad_()
@@ -56,21 +83,77 @@ def test_matches_reference_forward_backward(N, lead, d, dtype):
         assert rel_err(got.float(), want) <= tol_b, (name, rel_err(got.float(), want))
 
 
-def test_matches_fla_naive_attnres():
+@pytest.mark.parametrize("variant,block_t,block_d", [("row", None, None), ("tiled", None, None), ("tiled", 2, 32)])
+def test_matches_fla_naive_attnres(variant, block_t, block_d):
     fla_naive = pytest.importorskip("fla.ops.attnres.naive").naive_attnres
     cands, q, nw = _inputs(4, (6,), 48, torch.float32, seed=7)
     # fla scores RMSNorm(v; rms_weight) against the query: our weight product folds the same way.
     want = fla_naive(q.detach().flatten(), [c.detach() for c in cands], nw.detach(), rms_eps=1e-5)
-    got = attn_res_triton([c.detach() for c in cands], q.detach(), nw.detach(), 1e-5)
+    got = attn_res_triton([c.detach() for c in cands], q.detach(), nw.detach(), 1e-5, variant=variant,
+                          block_t=block_t, block_d=block_d)
     assert rel_err(got, want) <= 1e-5
 
 
-def test_stacked_input_and_errors():
+def test_default_variant_switch(monkeypatch):
+    """block_t is refused by the row design and accepted by the tiled one, which shows which design runs: "auto"
+    (the default) takes "tiled" except for forward + backward over more than 8 candidates."""
+    cands, q, nw = _inputs(3, (5,), 40, torch.float32, seed=11)
+    args = ([c.detach() for c in cands], q.detach(), nw.detach())
+    assert triton_attnres.DEFAULT_VARIANT == "auto"
+    got = attn_res_triton(*args, block_t=2, block_d=16)  # tiled
+    assert rel_err(got, attn_res(*args)) <= 1e-5
+    nine, q9, nw9 = _inputs(9, (4,), 32, torch.float32, seed=12)
+    attn_res_triton([c.detach() for c in nine], q9.detach(), nw9.detach(), block_t=2)  # no grad: tiled
+    with pytest.raises(ValueError, match="block_t"):
+        attn_res_triton(nine, q9, nw9, block_t=2)  # grad over 9 candidates: row
+    out = attn_res_triton(nine, q9, nw9)
+    out.sum().backward()  # the row design's backward, chosen automatically
+    assert all(c.grad is not None and torch.isfinite(c.grad).all() for c in nine)
+    monkeypatch.setattr(triton_attnres, "DEFAULT_VARIANT", "row")
+    with pytest.raises(ValueError, match="block_t"):
+        attn_res_triton(*args, block_t=2)
+
+
+@pytest.mark.parametrize("variant", ["row", "tiled"])
+def test_stacked_input_and_errors(variant):
     cands, q, nw = _inputs(3, (4,), 32, torch.float32, seed=3)
     stacked = torch.stack([c.detach() for c in cands])
-    assert torch.equal(attn_res_triton(stacked, q.detach(), nw.detach()), attn_res_triton(
-        [c.detach() for c in cands], q.detach(), nw.detach()))
+    assert torch.equal(attn_res_triton(stacked, q.detach(), nw.detach(), variant=variant), attn_res_triton(
+        [c.detach() for c in cands], q.detach(), nw.detach(), variant=variant))
     with pytest.raises(ValueError, match="query_weight"):
         attn_res_triton(stacked, q.detach()[:, :16], nw.detach())
     with pytest.raises(ValueError, match="at most 16"):
-        attn_res_triton(torch.zeros(17, 2, 32, device=DEVICE), q.detach(), nw.detach())
+        attn_res_triton(torch.zeros(17, 2, 32, device=DEVICE), q.detach(), nw.detach(), variant=variant)
+    with pytest.raises(ValueError, match="at most 16"):
+        attn_res_triton(torch.zeros(0, 2, 32, device=DEVICE), q.detach(), nw.detach(), variant=variant)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(variant="blocked"), "variant"),
+        (dict(variant="row", block_d=64), "block_t and block_d"),
+        (dict(variant="tiled", block_t=3), "block_t"),
+        (dict(variant="tiled", block_t=0), "block_t"),
+        (dict(variant="tiled", block_t=32), "block_t"),
+        (dict(variant="tiled", block_d=24), "block_d"),
+        (dict(variant="tiled", block_d=True), "block_d"),
+        (dict(variant="tiled", num_warps=3), "num_warps"),
+        (dict(variant="row", num_warps=64), "num_warps"),
+        # 16 tokens * 16 (padded N = 9) * 1024 lanes: far more than one program's registers hold.
+        (dict(variant="tiled", block_t=16, block_d=1024), "per tile"),
+    ],
+)
+def test_bad_launch_arguments(kwargs, match):
+    cands, q, nw = _inputs(9, (2,), 1024, torch.float32, seed=5)
+    with pytest.raises(ValueError, match=match):
+        attn_res_triton([c.detach() for c in cands], q.detach(), nw.detach(), **kwargs)
+
+
+@pytest.mark.parametrize("name,value", [("TILED_PASS2", "both"), ("TILED_PROGRAMS_PER_SM", 0),
+                                        ("TILED_PROGRAMS_PER_SM", 1.5)])
+def test_bad_module_settings(monkeypatch, name, value):
+    cands, q, nw = _inputs(2, (3,), 16, torch.float32, seed=9)
+    monkeypatch.setattr(triton_attnres, name, value)
+    with pytest.raises(ValueError, match=name):
+        attn_res_triton([c.detach() for c in cands], q.detach(), nw.detach(), variant="tiled")
