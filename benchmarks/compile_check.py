@@ -134,6 +134,10 @@ def _kda_cases():
         h0 = torch.zeros(B, H, K, K)
         yield "kda chunk backward", lambda: chunk_kda_bwd(q, q, q, g, beta, q, initial_state=h0, dht=h0)
         yield "kda chunk backward bf16 states", lambda: chunk_kda_bwd(q, q, q, g, beta, q, state_dtype=torch.bfloat16)
+        yield "kda chunk backward, in-kernel gate/l2norm/beta", lambda: chunk_kda_bwd(
+            q, q, q, g, beta, q, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **gate)
+        yield "kda chunk backward, l2norm only (the model's call)", lambda: chunk_kda_bwd(
+            q, q, q, g, beta, q, use_qk_l2norm_in_kernel=True)
     yield "kda recurrent", lambda: fused_recurrent_kda(
         q[:, :1], q[:, :1], q[:, :1], g[:, :1], beta[:, :1], initial_state=torch.zeros(B, H, K, K),
         output_final_state=True)
@@ -162,7 +166,8 @@ def _attnres_cases():
         v = torch.zeros(4, 3, 7168, dtype=dtype, requires_grad=True)
         q = torch.zeros(1, 7168, requires_grad=True)
         nw = torch.ones(7168, requires_grad=True)
-        yield f"attnres {dtype}", lambda: attn_res_triton(v, q, nw).float().sum().backward()
+        for variant in ("row", "tiled"):
+            yield f"attnres {variant} {dtype}", lambda: attn_res_triton(v, q, nw, variant=variant).float().sum().backward()
 
 
 def _launched_kernels() -> set[str]:

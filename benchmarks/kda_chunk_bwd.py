@@ -112,6 +112,34 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
+def profile(label, fn, T=8192, iters=5):
+    """CUDA time per kernel of fn's forward + backward (ours: fp32 states), averaged over iters calls after a
+    warm-up: which backward kernels and which torch elementwise work around them bound the step."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    x = inputs(T)
+    do = torch.randn(1, T, H, V, device=DEV).bfloat16()
+    dS = torch.randn(1, H, K, V, device=DEV)
+    step = lambda: grads(fn, x, do, dS)  # noqa: E731
+    step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / iters / 1e3, e.count // iters) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    print(f"## per-kernel CUDA time, {label} forward + backward, T = {T} (total {total:.2f} ms a step)\n")
+    print("| kernel | ms a step | calls a step | share |\n|---|---|---|---|")
+    for name, ms, n in rows[:25]:
+        print(f"| `{name[:90]}` | {ms:.3f} | {n} | {100 * ms / total:.0f} % |")
+    print(flush=True)
+    del x, do
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--no-fla", action="store_true", help="skip fla (its first call autotunes for minutes)")
@@ -119,31 +147,41 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--ts", default="8192,32768", help="sequence lengths to time, comma separated")
     ap.add_argument("--sweep", action="store_true", help="first time block_v x num_warps of our backward, T=8K")
+    ap.add_argument("--no-fla-check", action="store_true",
+                    help="leave fla out of the small-shape check (its H = 4 shapes autotune separately)")
+    ap.add_argument("--profile", action="store_true",
+                    help="per-kernel CUDA time of one forward + backward of ours at T = 8K (torch.profiler)")
     args = ap.parse_args()
     global DEV
     DEV = args.device
     fla = None if args.no_fla else fla_fn()
     gpu = torch.cuda.get_device_name() if DEV == "cuda" else DEV
     print(f"GPU {gpu}, torch {torch.__version__}, triton {triton.__version__}\n")
-    check(fla, small=DEV != "cuda")
+    check(None if args.no_fla_check else fla, small=DEV != "cuda")
     if args.check_only:
         return
+    if args.profile:
+        profile("ours", ours)
+        if fla is not None:
+            profile("fla", fla)
 
     if args.sweep:
         print("## sweep of our backward kernels' tiling, forward + backward ms at T=8K (fp32 states)\n")
-        print("| block_v | num_warps | chunk_block_v | chunk_num_warps | ms |\n|---|---|---|---|---|")
+        print("| block_v | num_warps | chunk_block_v | chunk_num_warps | chunk_num_stages | ms |\n|---|---|---|---|---|---|")
         x = inputs(8192)
         do = torch.randn(1, 8192, H, V, device=DEV).bfloat16()
         dS = torch.randn(1, H, K, V, device=DEV)
-        configs = [(bv, nw, 16, 8) for bv in (16, 32, 64) for nw in (4, 8)]  # the sequential kernels
-        configs += [(32, 4, cbv, cw) for cbv, cw in ((16, 4), (32, 8), (32, 4))]  # the per-chunk kernel
-        for bv, nw, cbv, cw in configs:
-            TC._ChunkKDAFunction.bwd_options = dict(block_v=bv, num_warps=nw, chunk_block_v=cbv, chunk_num_warps=cw)
+        configs = [(bv, nw, 16, 8, None) for bv, nw in ((32, 2), (32, 4), (64, 2), (64, 4))]  # the sequential kernels
+        # the per-chunk kernel: V tile, warps, V-loop pipelining depth
+        configs += [(32, 4, cbv, cw, ns) for cbv, cw, ns in ((16, 4, None), (32, 4, None), (16, 8, 1), (16, 8, 2))]
+        for bv, nw, cbv, cw, ns in configs:
+            TC._ChunkKDAFunction.bwd_options = dict(block_v=bv, num_warps=nw, chunk_block_v=cbv, chunk_num_warps=cw,
+                                                    chunk_num_stages=ns)
             try:
                 t = f"{bench(lambda: grads(ours, x, do, dS)):.2f}"
             except Exception as e:  # e.g. out of registers / shared memory for a config
                 t = f"failed: {type(e).__name__}"
-            print(f"| {bv} | {nw} | {cbv} | {cw} | {t} |")
+            print(f"| {bv} | {nw} | {cbv} | {cw} | {ns or 'default'} | {t} |", flush=True)
         TC._ChunkKDAFunction.bwd_options = {}
         del x, do
         print()
