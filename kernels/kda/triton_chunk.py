@@ -833,15 +833,8 @@ def _chunk64_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, lo
             num_warps=num_warps, num_stages=stages,
         )
 
-    if num_stages is not None:
-        launch(num_stages)
-        return
-    # Default: double-buffer the chunk loads (~90 KB a stage at K = 128, BV = 32); if that does not fit in
-    # shared memory for this shape, fall back to no pipelining rather than fail.
-    try:
-        launch(2)
-    except triton.runtime.errors.OutOfResources:
-        launch(1)
+    # default: double-buffered chunk loads (~90 KB a stage at K = 128, BV = 32), 1 stage if that does not fit
+    _launch_pipelined(launch, num_stages)
 
 
 def _launch_pipelined(launch, num_stages):

@@ -168,6 +168,15 @@ def _grads(fn, tensors, o_w, s_w):
     return torch.autograd.grad(loss, tensors)
 
 
+def _assert_forward_and_grads_match(ours, ref, names, ts, o_w, s_w):
+    """o, the final state and every gradient of ours within 1e-4 of ref."""
+    o1, S1 = ours(*ts)
+    o2, S2 = ref(*ts)
+    assert rel_err(o1, o2) <= 1e-4 and rel_err(S1, S2) <= 1e-4
+    for n, a, b in zip(names, _grads(ours, ts, o_w, s_w), _grads(ref, ts, o_w, s_w)):
+        assert a is not None and rel_err(a, b) <= 1e-4, n
+
+
 def test_gradients_precomputed_gate():
     x = make_inputs(T=33, with_h0=True, seed=51)
     names = ("q", "k", "v", "g", "beta", "h0")
@@ -205,11 +214,7 @@ def test_gradients_in_kernel_gate_varlen():
         return R.fused_recurrent_kda(q, k, v, g, torch.sigmoid(b), initial_state=h0, output_final_state=True,
                                      cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
 
-    o1, S1 = ours(*ts)
-    o2, S2 = ref(*ts)
-    assert rel_err(o1, o2) <= 1e-4 and rel_err(S1, S2) <= 1e-4
-    for n, a, b in zip(names, _grads(ours, ts, o_w, s_w), _grads(ref, ts, o_w, s_w)):
-        assert a is not None and rel_err(a, b) <= 1e-4, n
+    _assert_forward_and_grads_match(ours, ref, names, ts, o_w, s_w)
 
 
 def test_bad_inputs_raise():
@@ -476,11 +481,7 @@ def test_chunk_kda_stored_forward_and_gradients(chunk_size):
     def ref(q, k, v, g, beta, h0):
         return R.fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
 
-    o1, S1 = ours(*ts)
-    o2, S2 = ref(*ts)
-    assert rel_err(o1, o2) <= 1e-4 and rel_err(S1, S2) <= 1e-4
-    for n, a, b in zip(names, _grads(ours, ts, o_w, s_w), _grads(ref, ts, o_w, s_w)):
-        assert a is not None and rel_err(a, b) <= 1e-4, n
+    _assert_forward_and_grads_match(ours, ref, names, ts, o_w, s_w)
 
 
 def test_stored_bad_options_raise():
