@@ -85,24 +85,45 @@ def _compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
 
 
 def _moe_cases():
+    import importlib.util
+
     from k3_kernels.moe.triton_moe import moe_experts_triton
 
     E, k = 4, 2  # few experts: nothing is touched
-    # K3's latent and expert widths (decode and prefill tiles), then the tiny test model's (K tiles of 32).
-    for D, I, N in ((3584, 3072, 1), (3584, 3072, 64), (32, 32, 1)):
-        x = torch.zeros(64, D, dtype=torch.bfloat16)
+    u8 = lambda *shape: torch.empty(*shape, dtype=torch.uint8)  # noqa: E731
+
+    def run(fmt, D, I, N, config=None, block_m=None):
+        x = torch.zeros(N, D, dtype=torch.bfloat16)
         idx = (torch.arange(N * k) % E).view(N, k)
         w = torch.full((N, k), 0.5)
-        yield f"moe mxfp4 D={D} I={I} N={N}", lambda: moe_experts_triton(
-            x[:N], idx, w, w13_packed=torch.empty(E, 2 * I, D // 2, dtype=torch.uint8),
-            w13_scale=torch.empty(E, 2 * I, D // 32, dtype=torch.uint8),
-            w2_packed=torch.empty(E, D, I // 2, dtype=torch.uint8), w2_scale=torch.empty(E, D, I // 32, dtype=torch.uint8),
-            block_m=16 if N == 1 else 64,
-        )
-        yield f"moe bf16 D={D} I={I} N={N}", lambda: moe_experts_triton(
-            x[:N], idx, w, gate_up=torch.empty(E, 2 * I, D, dtype=torch.bfloat16),
-            down=torch.empty(E, D, I, dtype=torch.bfloat16), block_m=16 if N == 1 else 64,
-        )
+        if fmt == "mxfp4":
+            weights = dict(w13_packed=u8(E, 2 * I, D // 2), w13_scale=u8(E, 2 * I, D // 32),
+                           w2_packed=u8(E, D, I // 2), w2_scale=u8(E, D, I // 32))
+        else:
+            weights = dict(gate_up=torch.empty(E, 2 * I, D, dtype=torch.bfloat16),
+                           down=torch.empty(E, D, I, dtype=torch.bfloat16))
+        return moe_experts_triton(x, idx, w, **weights, block_m=block_m, config=config)
+
+    # K3's latent and expert widths (decode and prefill tiles), then the tiny test model's (K tiles of 32).
+    for D, I, N in ((3584, 3072, 1), (3584, 3072, 64), (32, 32, 1)):
+        for fmt in ("mxfp4", "bf16"):
+            yield f"moe {fmt} D={D} I={I} N={N}", lambda: run(fmt, D, I, N, block_m=16 if N == 1 else 64)
+    # Tunable launches at K3 shapes: a 128x128x64 8-warp prefill tile (gate_up's two accumulators make it 128 x 256),
+    # the sorted reduce, a wide-K decode tile; then every config `benchmarks/moe.py --sweep` times, so the sweep
+    # meets no compile failure on the GPU.
+    extra = [
+        {"block_m": 128, "gate_up": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+         "down": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}},
+        {"block_m": 64, "reduce": "sorted", "down": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 4}},
+        {"block_m": 16, "reduce": "sorted", "gate_up": {"BLOCK_K": 256}, "down": {"BLOCK_K": 256}},
+    ]
+    spec = importlib.util.spec_from_file_location("_moe_bench", Path(__file__).with_name("moe.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    sweep = [c for regime in bench.SWEEP_CONFIGS.values() for c in regime if c is not None]
+    for i, config in enumerate(extra + sweep):
+        for fmt in ("mxfp4", "bf16"):
+            yield f"moe {fmt} K3 config {i} {config}", lambda: run(fmt, 3584, 3072, 64, config=config)
 
 
 def _kda_cases():

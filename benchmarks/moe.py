@@ -12,6 +12,11 @@ in all) are far bigger than L2, so nothing is served from cache. Last line: MXFP
 tokens (target >= 3x: the 3.76x fewer weight bytes, less the unpack work).
 
     . scripts/device_env.sh && python3 benchmarks/moe.py
+    . scripts/device_env.sh && python3 benchmarks/moe.py --sweep --tokens 64 8192   # tile / launch sweep of ours
+
+`--sweep` times our kernel (MXFP4 and bf16) over a curated list of `config=` values per regime (`SWEEP_CONFIGS`)
+instead of the paths above: one markdown row per config, the best per (tokens, format) marked, each config checked
+once against the default config's output. Drop a winner into `_DEFAULT_CONFIGS` in kernels/moe/triton_moe.py.
 """
 
 import argparse
@@ -21,7 +26,7 @@ import torch
 import triton
 
 from k3_kernels.moe.reference import moe_experts
-from k3_kernels.moe.triton_moe import moe_experts_triton
+from k3_kernels.moe.triton_moe import _DEFAULT_CONFIGS, moe_experts_triton
 from k3_kernels.mxfp4.reference import dequantize_mxfp4
 from k3_kernels.situ.reference import situ_glu
 
@@ -63,6 +68,109 @@ def _bench(fn, dev):
     return (time.perf_counter() - t0) * 1e3
 
 
+def _cfg(bm, bn, bk, warps, stages, reduce="atomic", down=None):
+    """One sweep entry: the same tile for both kernels unless `down` (BLOCK_N, BLOCK_K, warps, stages) is given."""
+    gu = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+    dn = gu if down is None else dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), down))
+    return {"block_m": bm, "reduce": reduce, "gate_up": dict(gu), "down": dict(dn)}
+
+
+# Curated per regime, not the full product. `_gate_up_situ` keeps two [BLOCK_M, BLOCK_N] fp32 accumulators (gate and
+# up), so its effective tile is BLOCK_M x 2 BLOCK_N: 128 x 64 there is as big as 128 x 128 in `_down` (and 128 x 128
+# there, 255 registers a thread at 8 warps, is the largest entry).
+# Decode (bandwidth-bound on the weights, ~1 row per touched expert at 64 tokens): block_m 16 (tl.dot's smallest),
+# wide K tiles and deeper pipelines keep more weight bytes in flight per SM. Prefill (compute-bound): 64x128 and
+# 128x128 tiles with 8 warps, 3-4 stages (a 128x64x64 gate_up stage is 48 KB of shared memory in bf16: 4 fit in
+# 227 KB). Every entry compiles for sm_90 with triton 3.6 (benchmarks/compile_check.py) within 227 KB.
+SWEEP_CONFIGS = {
+    "decode": [
+        None,  # the default (`_DEFAULT_CONFIGS["decode"]`): the reference of the correctness check
+        _cfg(16, 64, 128, 4, 3),
+        _cfg(16, 64, 128, 4, 4),
+        _cfg(16, 64, 256, 4, 3),
+        _cfg(16, 64, 256, 8, 3),
+        _cfg(16, 128, 128, 4, 3),
+        _cfg(16, 128, 128, 8, 4),
+        _cfg(16, 32, 128, 4, 4),
+        _cfg(16, 32, 256, 4, 3),
+        _cfg(16, 64, 64, 4, 5),
+        _cfg(16, 64, 128, 8, 5),
+        _cfg(32, 64, 128, 4, 4),
+        _cfg(16, 64, 128, 4, 4, reduce="sorted"),
+        _cfg(16, 64, 256, 4, 3, reduce="sorted"),
+    ],
+    "prefill": [
+        None,  # the default (`_DEFAULT_CONFIGS["prefill"]`)
+        _cfg(64, 128, 64, 4, 3),
+        _cfg(64, 128, 64, 8, 3),
+        _cfg(64, 128, 64, 8, 4),
+        _cfg(64, 64, 64, 8, 4, down=(128, 64, 8, 4)),
+        _cfg(128, 64, 64, 8, 3, down=(128, 64, 8, 3)),
+        _cfg(128, 64, 64, 8, 4, down=(128, 64, 8, 4)),
+        _cfg(128, 128, 64, 8, 3),
+        _cfg(128, 64, 128, 8, 3, down=(128, 128, 8, 3)),
+        _cfg(128, 64, 64, 4, 4, down=(128, 64, 4, 4)),
+        _cfg(64, 64, 128, 8, 3, down=(128, 128, 8, 3)),  # gate_up BLOCK_N 128 here: 240 KB of bf16 stages, over 227
+        _cfg(128, 32, 64, 4, 4, down=(64, 64, 4, 4)),
+        _cfg(128, 64, 64, 8, 4, reduce="sorted", down=(128, 64, 8, 4)),
+        _cfg(64, 128, 64, 8, 3, reduce="sorted"),
+    ],
+}
+
+
+def _cfg_name(cfg, regime):
+    if cfg is None:
+        return f"default ({_cfg_name(_DEFAULT_CONFIGS[regime], regime)})"
+    g, d = cfg["gate_up"], cfg["down"]
+    tile = lambda c: f"{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']}"  # noqa: E731
+    return f"m{cfg['block_m']} gate_up {tile(g)} / down {tile(d)} {cfg['reduce']}"
+
+
+def sweep(args, E, k, D, I, dev, fp4, gate_up, down):
+    """Time `SWEEP_CONFIGS` of the token count's regime for MXFP4 and bf16; one markdown row per config."""
+    gpu = torch.cuda.get_device_name() if dev == "cuda" else "CPU smoke run (timings meaningless)"
+    print(f"\nMoE experts config sweep, E={E}, top-{k}, D={D}, I={I}, {gpu}, torch {torch.__version__}, "
+          f"triton {triton.__version__}", flush=True)
+    print("config: m<block_m>, per kernel <BLOCK_N>x<BLOCK_K> w<num_warps> s<num_stages>, then the reduce; rel err: "
+          "max abs difference to the default config's output over its max\n", flush=True)
+    print("| tokens | format | config | ms | weight GB/s | TFLOP/s | vs grouped_mm | rel err vs default | best |",
+          flush=True)
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    for N in args.tokens:
+        x = torch.randn(N, D, device=dev, dtype=torch.bfloat16)
+        scores = torch.rand(N, E, device=dev)
+        top_w, top_idx = scores.topk(k, dim=-1)
+        top_w = top_w / top_w.sum(-1, keepdim=True)
+        touched = torch.unique(top_idx).numel()
+        flops = 2 * N * k * (3 * D * I)
+        peer = _bench(lambda: grouped_mm_experts(x, top_idx, top_w, gate_up, down), dev)
+        regime = "decode" if N * k <= 4 * E else "prefill"  # the kernel's own rule
+        for fmt, weights in (("MXFP4", fp4), ("bf16", dict(gate_up=gate_up, down=down))):
+            wbytes = touched * 3 * D * I * (0.5 + 1 / 32 if fmt == "MXFP4" else 2)
+            ref = moe_experts_triton(x, top_idx, top_w, **weights).float()
+            results = []
+            for cfg in SWEEP_CONFIGS[regime]:
+                name = _cfg_name(cfg, regime)
+                try:
+                    fn = lambda cfg=cfg: moe_experts_triton(x, top_idx, top_w, **weights, config=cfg)  # noqa: E731
+                    err = ((fn().float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+                    ms = _bench(fn, dev)
+                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report the config, go on
+                    msg = f"{type(exc).__name__}: {exc}".replace("\n", " ").replace("|", "/")[:160]
+                    print(f"| {N} | {fmt} | {name} | FAILED: {msg} | | | | | |", flush=True)
+                    continue
+                results.append((ms, name))
+                print(f"| {N} | {fmt} | {name} | {ms:.3f} | {wbytes / ms / 1e6:.0f} | {flops / ms / 1e9:.1f} | "
+                      f"{peer / ms:.2f}x | {err:.1e}{' (!)' if err > 2e-2 else ''} | |", flush=True)
+            if results:
+                ms, name = min(results)
+                print(f"| {N} | {fmt} | **best: {name}** | **{ms:.3f}** | {wbytes / ms / 1e6:.0f} | "
+                      f"{flops / ms / 1e9:.1f} | {peer / ms:.2f}x | | **best** |", flush=True)
+        gbs = touched * 3 * D * I * 2 / peer / 1e6
+        print(f"| {N} | bf16 | torch._grouped_mm (for scale) | {peer:.3f} | {gbs:.0f} | {flops / peer / 1e9:.1f} | 1.00x | | |",
+              flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--experts", type=int, default=896)
@@ -72,8 +180,10 @@ def main():
                     help="latent width (routed_expert_hidden_size) and expert width (moe_intermediate_size)")
     ap.add_argument("--device", default="cuda", help="cpu only for a smoke run of the script under TRITON_INTERPRET=1")
     ap.add_argument("--loop-max-tokens", type=int, default=8192, help="skip the Python loop above this many tokens")
+    ap.add_argument("--sweep", action="store_true", help="time our kernel over SWEEP_CONFIGS instead of the paths")
     args = ap.parse_args()
-    E, k, (D, I), dev = args.experts, args.top_k, args.dims, args.device
+    # top-k capped at the expert count, so a smoke run with few experts keeps the default --top-k
+    E, k, (D, I), dev = args.experts, min(args.top_k, args.experts), args.dims, args.device
     torch.manual_seed(0)
     # Random MXFP4 experts (scales around 2**-7 so dequantised weights are ~N(0, 0.01)-sized), and their exact bf16.
     w13p = torch.randint(0, 256, (E, 2 * I, D // 2), dtype=torch.uint8, device=dev)
@@ -86,6 +196,8 @@ def main():
         gate_up[e] = dequantize_mxfp4(w13p[e], w13s[e])
         down[e] = dequantize_mxfp4(w2p[e], w2s[e])
     fp4 = dict(w13_packed=w13p, w13_scale=w13s, w2_packed=w2p, w2_scale=w2s)
+    if args.sweep:
+        return sweep(args, E, k, D, I, dev, fp4, gate_up, down)
     rows = []
     for N in args.tokens:
         x = torch.randn(N, D, device=dev, dtype=torch.bfloat16)

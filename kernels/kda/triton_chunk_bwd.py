@@ -47,10 +47,12 @@ Four kernels:
    and e^Gl stored (fp32; 16 + 3 K + 17 floats per token-head), so the two sequential kernels load their
    tiles instead of redoing the preprocessing, cumsum and exps on their critical path.
 2. ``_bwd_state_kernel`` (sequential over chunks, parallel over (sequence, head, V-block)): recomputes S_in
-   of every chunk and stores it in ``h`` [NT, H, K, V] (``state_dtype``, fp32 default).
+   of every chunk and stores it in ``h`` [NT, H, K, V] (``state_dtype``, fp32 default), and the u it computes
+   for the carry anyway (fp32 [B, T, H, V]).
 3. ``_bwd_dstate_kernel`` (reverse sequential, same grid): carries dS (fp32, starting at dht or 0), stores
-   dS_out of every chunk in ``dh`` and dh0 = dS at the start.
-4. ``_bwd_chunk_kernel`` (parallel over (chunk, head)): loops over V-blocks, accumulating the sums over V
+   dS_out of every chunk in ``dh``, dh0 = dS at the start, and du (fp32 [B, T, H, V], also on its chain).
+4. ``_bwd_chunk_kernel`` (parallel over (chunk, head)): loads u and du instead of redoing four of its eleven
+   [16, K] x [K, BV] products, loops over V-blocks, accumulating the sums over V
    (dqg, dAqk, dw, dX, dkd, dGl, dbeta) in [C, K] / [C, C] registers, so no V-partials and no atomics are
    needed (deterministic), then goes down through X to dq, dk, dg, dbeta and through the preprocessing to the
    raw inputs; dv is written per V-block.
@@ -60,7 +62,7 @@ products are exact fp32 ("ieee") for fp32 inputs and tf32 for bf16 inputs, excep
 (always "ieee"). The carried dS is fp32. The stored per-chunk h and dh are fp32 by default; with
 ``state_dtype=torch.bfloat16`` their traffic halves and the gradients' relative error grows to ~3-5e-3
 (measured at T = 65 against the fp32 reference). Memory: h and dh are NT * H * K * V each (NT = number of
-16-token chunks), ~12.9 GB each in fp32 at T = 32K, H = 96, K = V = 128.
+16-token chunks), ~12.9 GB each in fp32 at T = 32K, H = 96, K = V = 128; u and du 1.6 GB each there.
 
 Registers (compiled ahead of time for sm_90a with triton 3.6, ptxas -v, K = V = 128, tf32): the sequential
 kernels at block_v = 32 and 4 warps spill <= 80 bytes; the per-chunk kernel at chunk_block_v = 16 and 8 warps
@@ -196,11 +198,12 @@ def _load_X(X_buf, rows, m_t, i_h, H: tl.constexpr, BT: tl.constexpr):
 
 @triton.jit
 def _bwd_state_kernel(
-    v, h0, h, cu_seqlens, chunk_offsets, X_buf, w_buf, kd_buf, gl_buf, b_buf,
+    v, h0, h, u_buf, cu_seqlens, chunk_offsets, X_buf, w_buf, kd_buf, gl_buf, b_buf,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, TF32: tl.constexpr,
 ):
-    """Recomputes S_in of every chunk of one (sequence, head, V-block) and stores it in h."""
+    """Recomputes S_in of every chunk of one (sequence, head, V-block) and stores it in h, and u = X B2 - w S_in
+    (the per-chunk kernel's input; it is on this kernel's chain anyway)."""
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -230,16 +233,18 @@ def _bwd_state_kernel(
         p_v = (rows[:, None] * H + i_h) * V + o_v[None, :]
         b_v = tl.load(v + p_v, mask=m_t[:, None], other=0.0).to(tl.float32)
         u = tl.dot(X, b_beta[:, None] * b_v, input_precision="ieee") - _mm(w, S, TF32)  # [BT, BV]
+        tl.store(u_buf + p_v, u, mask=m_t[:, None])
         S = S * e_gl[:, None] + _mm(tl.trans(kd), u, TF32)
 
 
 @triton.jit
 def _bwd_dstate_kernel(
-    do, dht, dh, dh0, cu_seqlens, chunk_offsets, w_buf, Aqk_buf, kd_buf, qg_buf, gl_buf,
+    do, dht, dh, dh0, du_buf, cu_seqlens, chunk_offsets, w_buf, Aqk_buf, kd_buf, qg_buf, gl_buf,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, TF32: tl.constexpr,
 ):
-    """Carries dS backwards over the chunks of one (sequence, head, V-block); stores dS_out per chunk."""
+    """Carries dS backwards over the chunks of one (sequence, head, V-block); stores dS_out per chunk and
+    du = Aqk^T do + kd dS_out (computed here for the carry anyway; the per-chunk kernel loads it)."""
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -272,6 +277,7 @@ def _bwd_dstate_kernel(
         p_v = (rows[:, None] * H + i_h) * V + o_v[None, :]
         b_do = tl.load(do + p_v, mask=m_t[:, None], other=0.0).to(tl.float32)
         du = _mm(tl.trans(Aqk), b_do, TF32) + _mm(kd, dS, TF32)  # [BT, BV]
+        tl.store(du_buf + p_v, du, mask=m_t[:, None])
         dS = dS * e_gl[:, None] + _mm(tl.trans(qg), b_do, TF32) - _mm(tl.trans(w), du, TF32)
     if STORE_DH0:
         tl.store(dh0 + p_state, dS)
@@ -279,7 +285,7 @@ def _bwd_dstate_kernel(
 
 @triton.jit
 def _bwd_chunk_kernel(
-    q, k, v, g, beta, do, h, dh, cu_seqlens, chunk_indices, X_buf, w_buf, Aqk_buf, kd_buf, b_buf,
+    q, k, v, g, beta, do, h, dh, u_buf, du_buf, cu_seqlens, chunk_indices, X_buf, b_buf,
     dq, dk, dv, dg, dbeta, ddt_part, dA_part, scale, A_log, dt_bias, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     TF32: tl.constexpr, USE_GATE: tl.constexpr, USE_BSIG: tl.constexpr, USE_L2: tl.constexpr,
@@ -299,14 +305,10 @@ def _bwd_chunk_kernel(
     rows = bos + pos
     strict = o_t[:, None] > o_t[None, :]
     causal = o_t[:, None] >= o_t[None, :]
-    # only kd, beta, w, X, Aqk are needed inside the V loop (from the prep kernel); the other [BT, K] tiles are
-    # rebuilt after it (fewer live registers across the loop)
+    # u and du come from the sequential kernels (they compute them on their chains anyway), so only X and beta
+    # are needed inside the V loop; the [BT, K] tiles are rebuilt after it (fewer live registers across the loop)
     X = _load_X(X_buf, rows, m_t, i_h, H, BT)
-    p_cc = (rows[:, None] * H + i_h) * BT + o_t[None, :]
-    Aqk = tl.load(Aqk_buf + p_cc, mask=m_t[:, None], other=0.0)
     p_qk = (rows[:, None] * H + i_h) * K + o_k[None, :]
-    w = tl.load(w_buf + p_qk, mask=m_t[:, None], other=0.0)
-    kd = tl.load(kd_buf + p_qk, mask=m_t[:, None], other=0.0)
     b_beta = tl.load(b_buf + rows * H + i_h, mask=m_t, other=0.0)
 
     # sums over V, accumulated block by block
@@ -327,8 +329,8 @@ def _bwd_chunk_kernel(
         b_v = tl.load(v + p_v, mask=m_t[:, None], other=0.0).to(tl.float32)
         b_do = tl.load(do + p_v, mask=m_t[:, None], other=0.0).to(tl.float32)
         bv = b_beta[:, None] * b_v  # B2 block [BT, BV]
-        u = tl.dot(X, bv, input_precision="ieee") - _mm(w, S, TF32)
-        du = _mm(tl.trans(Aqk), b_do, TF32) + _mm(kd, dS, TF32)
+        u = tl.load(u_buf + p_v, mask=m_t[:, None], other=0.0)  # X B2 - w S_in
+        du = tl.load(du_buf + p_v, mask=m_t[:, None], other=0.0)  # Aqk^T do + kd dS_out
         dqg += _mm(b_do, tl.trans(S), TF32)
         dAqk += _mm(b_do, tl.trans(u), TF32)
         dw -= _mm(du, tl.trans(S), TF32)
@@ -486,6 +488,9 @@ def chunk_kda_bwd(
     gl_buf = torch.empty(NT, H, K, **f32)  # e^Gl of every chunk
     h = torch.empty(NT, H, K, V, dtype=state_dtype, device=dev)
     dh = torch.empty(NT, H, K, V, dtype=state_dtype, device=dev)
+    # u and du of every token (fp32, written by the sequential kernels for the per-chunk kernel)
+    u_buf = torch.empty(B, T, H, V, **f32)
+    du_buf = torch.empty(B, T, H, V, **f32)
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     dht_c = dht.float().contiguous() if dht is not None else None
     dummy = dq
@@ -502,16 +507,16 @@ def chunk_kda_bwd(
                               float(scale), *gate_args, **common, **flags, num_warps=num_warps)
     grid = (N, H, V // BV)
     _bwd_state_kernel[grid](
-        v, h0 if h0 is not None else dummy, h, cu, chunk_offsets, X_buf, w_buf, kd_buf, gl_buf, b_buf,
+        v, h0 if h0 is not None else dummy, h, u_buf, cu, chunk_offsets, X_buf, w_buf, kd_buf, gl_buf, b_buf,
         V=V, BV=BV, USE_H0=h0 is not None, **common, num_warps=num_warps,
     )
     _bwd_dstate_kernel[grid](
-        do, dht_c if dht_c is not None else dummy, dh, dh0 if dh0 is not None else dummy, cu, chunk_offsets,
+        do, dht_c if dht_c is not None else dummy, dh, dh0 if dh0 is not None else dummy, du_buf, cu, chunk_offsets,
         w_buf, Aqk_buf, kd_buf, qg_buf, gl_buf,
         V=V, BV=BV, USE_DHT=dht_c is not None, STORE_DH0=dh0 is not None, **common, num_warps=num_warps,
     )
     _bwd_chunk_kernel[(NT, H)](
-        q, k, v, g, beta, do, h, dh, cu, chunk_indices, X_buf, w_buf, Aqk_buf, kd_buf, b_buf, dq, dk, dv, dg, dbeta,
+        q, k, v, g, beta, do, h, dh, u_buf, du_buf, cu, chunk_indices, X_buf, b_buf, dq, dk, dv, dg, dbeta,
         ddt_part, dA_part, float(scale), *gate_args, V=V, BV=CBV, **common, **flags, num_warps=chunk_warps,
         **({} if chunk_num_stages is None else {"num_stages": chunk_num_stages}),
     )

@@ -5,8 +5,14 @@ The (token, slot) assignments are sorted by expert and each expert's run is padd
 
 1. `_gate_up_situ`: `h = SiTU-GLU(x W_gate^T, x W_up^T)` for a `[BLOCK_M, BLOCK_N]` tile of the intermediate width,
    both products accumulated side by side so `x` is loaded once; written as `[padded rows, I]` in x.dtype.
-2. `_down`: `y = (h W_down^T) * routing weight`, added with an fp32 atomic into `out[token]` (a token's 16 slots
-   meet there; fp32 keeps the sum as accurate as the reference).
+2. `_down`: `y = (h W_down^T) * routing weight`, reduced over a token's slots one of two ways (`reduce`):
+   "atomic" adds it with an fp32 atomic into `out[token]` (a token's 16 slots meet there; fp32 keeps the sum as
+   accurate as the reference; the order of the adds, so the last bits, vary run to run); "sorted" stores it at its
+   assignment id (row `token * top_k + slot` of a `[N * top_k, D]` fp32 buffer: no atomics, deterministic) and
+   torch sums the k rows of each token afterwards (one more pass over `N * top_k * D * 4` bytes).
+
+Tiles and launch options are tunable (`config=`, see `moe_experts_triton` and `_DEFAULT_CONFIGS`) so a GPU sweep
+(`benchmarks/moe.py --sweep`) can pick them; the defaults per regime (decode vs prefill) live in one dict.
 
 MXFP4 weights stay packed in memory (uint8 E2M1 pairs plus one E8M0 byte per 32 inputs, the release layout) and
 are unpacked in registers right before `tl.dot`: the kernel moves ~4.25 bits a weight instead of 16, which is
@@ -122,7 +128,9 @@ def _gate_up_situ(
 def _down(
     Hs, W, S, OUT, SORTED, BLOCK_EXPERT, TOPW, num_assign, top_k, D, I,
     FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+    REDUCE_SORTED: tl.constexpr,
 ):
+    """OUT: `[N, D]` fp32 accumulated atomically, or with REDUCE_SORTED `[N * top_k, D]` fp32 written once a row."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e, rows, assign, valid, token = _row_tile(SORTED, BLOCK_EXPERT, pid_m, num_assign, top_k, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output (latent) channels
@@ -137,7 +145,12 @@ def _down(
             w = _load_w(W, e, n, k0, D, I, BLOCK_K)
             acc = tl.dot(_mm_in(h, DOT_F32), tl.trans(_mm_in(w, DOT_F32)), acc)
     wt = tl.load(TOPW + assign, mask=valid, other=0.0).to(tl.float32)
-    tl.atomic_add(OUT + token[:, None] * D + n[None, :], acc * wt[:, None], mask=valid[:, None] & (n[None, :] < D))
+    mask = valid[:, None] & (n[None, :] < D)
+    if REDUCE_SORTED:
+        # Each assignment id occurs once in SORTED, so every (row, channel) of OUT is written by exactly one program.
+        tl.store(OUT + assign.to(tl.int64)[:, None] * D + n[None, :], acc * wt[:, None], mask=mask)
+    else:
+        tl.atomic_add(OUT + token[:, None] * D + n[None, :], acc * wt[:, None], mask=mask)
 
 
 def _align(top_idx: torch.Tensor, num_experts: int, block_m: int):
@@ -160,11 +173,94 @@ def _align(top_idx: torch.Tensor, num_experts: int, block_m: int):
     return sorted_ids, block_expert, total
 
 
+# Launch defaults per regime, the one place to drop a GPU sweep's winner in (`benchmarks/moe.py --sweep`).
+# Decode (N * top_k <= 4 E: about a handful of rows per touched expert) is bound by the expert-weight bytes, so small
+# row tiles; prefill reuses each weight tile over many rows. Values are today's measured launch (H200, K3 shapes:
+# 64 tokens MXFP4 7.46 ms, 8192 tokens bf16 197 TFLOP/s), with Triton's own num_warps / num_stages defaults for
+# CUDA (4, 3) spelled out, until a sweep on the GPU says better. BLOCK_N is clamped to the output width's next power
+# of two (tiny models); the MXFP4 BLOCK_K default falls back to 32 where 64 does not divide the K width.
+_DEFAULT_CONFIGS = {
+    "decode": {
+        "block_m": 16, "reduce": "atomic",
+        "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+        "down": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+    },
+    "prefill": {
+        "block_m": 64, "reduce": "atomic",
+        "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+        "down": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+    },
+}
+_CONFIG_KEYS = ("block_m", "reduce", "gate_up", "down")
+_KERNEL_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+_REDUCES = ("atomic", "sorted")
+
+
+def _is_pow2_tile(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 16 and v & (v - 1) == 0
+
+
+def _resolve_config(config, block_m, *, decode: bool, fp4: bool, D: int, I: int) -> dict:
+    """The regime's defaults overridden by `config` (and `block_m=`), validated: a full config dict.
+
+    Per-kernel widths: `gate_up` reads K = D (latent) and writes N = I; `down` reads K = I and writes N = D.
+    """
+    config = {} if config is None else config
+    if not isinstance(config, dict):
+        raise ValueError(f"config must be a dict or None, got {type(config).__name__}")
+    for key in config:
+        if key not in _CONFIG_KEYS:
+            raise ValueError(f"config: unknown key {key!r} (known: {', '.join(_CONFIG_KEYS)})")
+    if block_m is not None and "block_m" in config and config["block_m"] != block_m:
+        raise ValueError(f"block_m given twice: block_m={block_m} and config['block_m']={config['block_m']}")
+    base = _DEFAULT_CONFIGS["decode" if decode else "prefill"]
+    out = {"block_m": config.get("block_m", block_m if block_m is not None else base["block_m"]),
+           "reduce": config.get("reduce", base["reduce"])}
+    if not _is_pow2_tile(out["block_m"]):
+        raise ValueError(f"block_m must be a power of two >= 16 (tl.dot's smallest M), got {out['block_m']!r}")
+    if out["reduce"] not in _REDUCES:
+        raise ValueError(f"config['reduce'] must be one of {_REDUCES}, got {out['reduce']!r}")
+    for kern, k_name, K, N in (("gate_up", "D", D, I), ("down", "I", I, D)):  # K read, N written
+        sub = config.get(kern, {})
+        if not isinstance(sub, dict):
+            raise ValueError(f"config[{kern!r}] must be a dict, got {type(sub).__name__}")
+        for key in sub:
+            if key not in _KERNEL_KEYS:
+                raise ValueError(f"config[{kern!r}]: unknown key {key!r} (known: {', '.join(_KERNEL_KEYS)})")
+        kc = dict(base[kern])
+        # Defaults only: narrow outputs (tiny models) get a narrower tile; an explicit BLOCK_N is taken as given.
+        kc["BLOCK_N"] = min(kc["BLOCK_N"], max(16, triton.next_power_of_2(N)))
+        if fp4 and K % kc["BLOCK_K"]:
+            kc["BLOCK_K"] = 32  # the K width is a multiple of 32 (checked by the caller)
+        kc.update(sub)
+        for key in ("BLOCK_N", "BLOCK_K"):
+            if not _is_pow2_tile(kc[key]):
+                raise ValueError(f"config[{kern!r}][{key!r}] must be a power of two >= 16, got {kc[key]!r}")
+        if fp4 and (kc["BLOCK_K"] % 32 or K % kc["BLOCK_K"]):
+            # `_fp4_dot` has no column mask and reads one E8M0 byte per 32 inputs.
+            raise ValueError(f"config[{kern!r}]['BLOCK_K'] = {kc['BLOCK_K']} must be a multiple of 32 dividing the "
+                             f"MXFP4 K width {k_name}={K}")
+        nw = kc["num_warps"]
+        if not isinstance(nw, int) or isinstance(nw, bool) or nw not in (1, 2, 4, 8):
+            raise ValueError(f"config[{kern!r}]['num_warps'] must be 1, 2, 4 or 8, got {nw!r}")
+        if not isinstance(kc["num_stages"], int) or isinstance(kc["num_stages"], bool) or kc["num_stages"] < 1:
+            raise ValueError(f"config[{kern!r}]['num_stages'] must be an int >= 1, got {kc['num_stages']!r}")
+        out[kern] = kc
+    return out
+
+
 def moe_experts_triton(
     x, top_idx, top_w, *, gate_up=None, down=None, w13_packed=None, w13_scale=None, w2_packed=None, w2_scale=None,
-    beta: float = 4.0, linear_beta: float = 25.0, block_m: int | None = None,
+    beta: float = 4.0, linear_beta: float = 25.0, block_m: int | None = None, config: dict | None = None,
 ):
-    """x `[N, D]` -> `[N, D]`. Give bf16/fp16 `gate_up [E, 2I, D]` + `down [E, D, I]`, or the MXFP4 quartet."""
+    """x `[N, D]` -> `[N, D]`. Give bf16/fp16 `gate_up [E, 2I, D]` + `down [E, D, I]`, or the MXFP4 quartet.
+
+    `config` (all keys optional, the rest from `_DEFAULT_CONFIGS` of the regime, decode when N * k <= 4 E):
+    `block_m` (rows per tile, a power of two >= 16; same as the `block_m=` argument, giving both differently
+    raises), `reduce` ("atomic" or "sorted", see the module doc), and per kernel `gate_up` / `down` dicts with
+    `BLOCK_N`, `BLOCK_K` (powers of two >= 16; with MXFP4 a multiple of 32 dividing the K width: D for gate_up,
+    I for down), `num_warps` (1, 2, 4, 8) and `num_stages` (>= 1). Unknown keys raise ValueError.
+    """
     fp4 = w13_packed is not None
     if fp4 == (gate_up is not None):
         raise ValueError("pass either gate_up/down (dense) or w13_packed/w13_scale/w2_packed/w2_scale (MXFP4)")
@@ -187,25 +283,28 @@ def moe_experts_triton(
     if top_idx.shape != top_w.shape or top_idx.shape[0] != x.shape[0]:
         raise ValueError(f"top_k_index {tuple(top_idx.shape)} / top_k_weights {tuple(top_w.shape)} must be [N, k]")
     N, k = top_idx.shape
-    out = torch.zeros((N, D), device=x.device, dtype=torch.float32)
+    # Decode: a handful of tokens per expert, so small row tiles; prefill: bigger tiles reuse the weights.
+    cfg = _resolve_config(config, block_m, decode=N * k <= 4 * E, fp4=fp4, D=D, I=I)
     if N == 0:
-        return out.to(x.dtype)
-    if block_m is None:
-        # Decode: a handful of tokens per expert, so small row tiles; prefill: bigger tiles reuse the weights.
-        block_m = 16 if N * k <= 4 * E else 64
-    sorted_ids, block_expert, total = _align(top_idx, E, block_m)
+        return torch.zeros((0, D), device=x.device, dtype=x.dtype)
+    bm, c1, c2 = cfg["block_m"], cfg["gate_up"], cfg["down"]
+    sorted_ids, block_expert, total = _align(top_idx, E, bm)
     hbuf = torch.empty((total, I), device=x.device, dtype=torch.bfloat16)
-    bn1, bk1 = min(64, triton.next_power_of_2(I)), 64
-    bn2, bk2 = min(64, triton.next_power_of_2(D)), 64
-    if fp4:  # `_fp4_dot` has no column mask: its K tile must divide K (a multiple of 32)
-        bk1, bk2 = (64 if D % 64 == 0 else 32), (64 if I % 64 == 0 else 32)
+    reduce_sorted = cfg["reduce"] == "sorted"
+    # sorted: every [N * k, D] row is written once by `_down` (empty is fine); atomic: the adds need zeros.
+    out = (torch.empty if reduce_sorted else torch.zeros)((N * k if reduce_sorted else N, D), device=x.device,
+                                                          dtype=torch.float32)
     x = x.contiguous()
-    _gate_up_situ[(total // block_m, triton.cdiv(I, bn1))](
+    _gate_up_situ[(total // bm, triton.cdiv(I, c1["BLOCK_N"]))](
         x, W1, S1, hbuf, sorted_ids, block_expert, N * k, k, D, I, beta, linear_beta,
-        FP4=fp4, BLOCK_M=block_m, BLOCK_N=bn1, BLOCK_K=bk1, DOT_F32=_DOT_F32,
+        FP4=fp4, BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], DOT_F32=_DOT_F32,
+        num_warps=c1["num_warps"], num_stages=c1["num_stages"],
     )
-    _down[(total // block_m, triton.cdiv(D, bn2))](
+    _down[(total // bm, triton.cdiv(D, c2["BLOCK_N"]))](
         hbuf, W2, S2, out, sorted_ids, block_expert, top_w.reshape(-1).float().contiguous(), N * k, k, D, I,
-        FP4=fp4, BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=bk2, DOT_F32=_DOT_F32,
+        FP4=fp4, BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], DOT_F32=_DOT_F32,
+        REDUCE_SORTED=reduce_sorted, num_warps=c2["num_warps"], num_stages=c2["num_stages"],
     )
+    if reduce_sorted:
+        out = out.view(N, k, D).sum(1)  # assignment id = token * k + slot: a token's k rows are adjacent
     return out.to(x.dtype)

@@ -76,6 +76,86 @@ def test_mxfp4_matches_reference(N, block_m):
     assert rel_err(got.float(), dense.float()) <= 1e-2 / 4  # bf16 rounding of the output and of h, nothing more
 
 
+# Non-default tiles per kernel (narrower and wider than the outputs, K tiles past the K width for dense, where the
+# column mask covers it), block_m 32, a lone BLOCK_K, the launch options (ignored by the interpreter, compiled by
+# benchmarks/compile_check.py), each with both reduces.
+_DENSE_CONFIGS = [
+    {"block_m": 32, "gate_up": {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4},
+     "down": {"BLOCK_N": 128, "BLOCK_K": 16, "num_warps": 2, "num_stages": 1}},
+    {"gate_up": {"BLOCK_K": 32}, "down": {"BLOCK_N": 16}},
+]
+
+
+@pytest.mark.parametrize("reduce", ["atomic", "sorted"])
+@pytest.mark.parametrize("cfg", range(len(_DENSE_CONFIGS)))
+def test_dense_configs_match_reference(cfg, reduce):
+    N, E, k, D, I = 37, 8, 3, 96, 64
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(N, D, generator=g).bfloat16().to(DEVICE)
+    gate_up = (torch.randn(E, 2 * I, D, generator=g) * D**-0.5).bfloat16().to(DEVICE)
+    down = (torch.randn(E, D, I, generator=g) * I**-0.5).bfloat16().to(DEVICE)
+    top_idx, top_w = _routing(N, E, k, g)
+    want = moe_experts(x.float(), top_idx, top_w, gate_up.float(), down.float())
+    config = {**_DENSE_CONFIGS[cfg], "reduce": reduce}
+    got = moe_experts_triton(x, top_idx, top_w, gate_up=gate_up, down=down, config=config)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    assert rel_err(got.float(), want) <= 1e-2
+
+
+@pytest.mark.parametrize("reduce", ["atomic", "sorted"])
+def test_mxfp4_configs_match_reference(reduce):
+    """MXFP4 with K tiles of 128 (all of D) and 32 (half of I) and output tiles of 16 and 128, block_m 32."""
+    N, E, k, D, I = 20, 6, 2, 128, 64
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(N, D, generator=g).bfloat16().to(DEVICE)
+    w13p, w13s = quantize_mxfp4(torch.randn(E, 2 * I, D, generator=g) * 0.1)
+    w2p, w2s = quantize_mxfp4(torch.randn(E, D, I, generator=g) * 0.1)
+    top_idx, top_w = _routing(N, E, k, g)
+    args = [t.to(DEVICE) for t in (w13p, w13s, w2p, w2s)]
+    want = moe_experts_mxfp4(x.float(), top_idx, top_w, *args)
+    fp4 = dict(w13_packed=args[0], w13_scale=args[1], w2_packed=args[2], w2_scale=args[3])
+    config = {"block_m": 32, "reduce": reduce, "gate_up": {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 8},
+              "down": {"BLOCK_N": 128, "BLOCK_K": 32, "num_stages": 4}}
+    got = moe_experts_triton(x, top_idx, top_w, **fp4, config=config)
+    assert rel_err(got.float(), want) <= 1e-2
+    if reduce == "sorted":  # no atomics: the same bits every run
+        assert torch.equal(got, moe_experts_triton(x, top_idx, top_w, **fp4, config=config))
+
+
+@pytest.mark.parametrize("config,match", [
+    ({"blockm": 16}, "'blockm'"),
+    ({"gate_up": {"BLOCK_N": 64, "warps": 4}}, "'warps'"),
+    ({"block_m": 24}, "block_m"),
+    ({"reduce": "tree"}, "reduce"),
+    ({"gate_up": {"BLOCK_N": 48}}, "BLOCK_N"),
+    ({"down": {"BLOCK_K": 8}}, "BLOCK_K"),
+    ({"down": {"num_warps": 3}}, "num_warps"),
+    ({"gate_up": {"num_stages": 0}}, "num_stages"),
+])
+def test_bad_configs(config, match):
+    x = torch.zeros(2, 64, dtype=torch.bfloat16, device=DEVICE)
+    idx, w = torch.zeros(2, 1, dtype=torch.long, device=DEVICE), torch.ones(2, 1, device=DEVICE)
+    gu, dn = torch.zeros(1, 64, 64, dtype=torch.bfloat16, device=DEVICE), torch.zeros(1, 64, 32, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match=match):
+        moe_experts_triton(x, idx, w, gate_up=gu, down=dn, config=config)
+
+
+def test_bad_configs_block_m_twice_and_mxfp4_k_width():
+    x = torch.zeros(2, 64, dtype=torch.bfloat16, device=DEVICE)
+    idx, w = torch.zeros(2, 1, dtype=torch.long, device=DEVICE), torch.ones(2, 1, device=DEVICE)
+    gu, dn = torch.zeros(1, 64, 64, dtype=torch.bfloat16, device=DEVICE), torch.zeros(1, 64, 32, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="block_m given twice"):
+        moe_experts_triton(x, idx, w, gate_up=gu, down=dn, block_m=16, config={"block_m": 32})
+    out = moe_experts_triton(x, idx, w, gate_up=gu, down=dn, block_m=32, config={"block_m": 32})  # agreeing is fine
+    assert out.shape == x.shape
+    u8 = lambda *shape: torch.zeros(*shape, dtype=torch.uint8, device=DEVICE)  # noqa: E731
+    fp4 = dict(w13_packed=u8(1, 64, 32), w13_scale=u8(1, 64, 2), w2_packed=u8(1, 64, 16), w2_scale=u8(1, 64, 1))
+    with pytest.raises(ValueError, match="K width D=64"):  # gate_up reads the latent width: 128 does not divide it
+        moe_experts_triton(x, idx, w, **fp4, config={"gate_up": {"BLOCK_K": 128}})
+    with pytest.raises(ValueError, match="K width I=32"):  # down reads the expert width; 16 is no multiple of 32
+        moe_experts_triton(x, idx, w, **fp4, config={"down": {"BLOCK_K": 16}})
+
+
 def test_mxfp4_unpack_hand_built():
     """One expert, one token, identity-like weights built from known codes: every E2M1 code and scale byte."""
     D = I = 32
