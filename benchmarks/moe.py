@@ -84,7 +84,7 @@ def _cfg(bm, bn, bk, warps, stages, reduce="atomic", down=None):
 # 227 KB). Every entry compiles for sm_90 with triton 3.6 (benchmarks/compile_check.py) within 227 KB.
 SWEEP_CONFIGS = {
     "decode": [
-        None,  # the default (`_DEFAULT_CONFIGS["decode"]`): the reference of the correctness check
+        None,  # the default (`_DEFAULT_CONFIGS["decode", fmt]`): the reference of the correctness check
         _cfg(16, 64, 128, 4, 3),
         _cfg(16, 64, 128, 4, 4),
         _cfg(16, 64, 256, 4, 3),
@@ -100,7 +100,7 @@ SWEEP_CONFIGS = {
         _cfg(16, 64, 256, 4, 3, reduce="sorted"),
     ],
     "prefill": [
-        None,  # the default (`_DEFAULT_CONFIGS["prefill"]`)
+        None,  # the default (`_DEFAULT_CONFIGS["prefill", fmt]`)
         _cfg(64, 128, 64, 4, 3),
         _cfg(64, 128, 64, 8, 3),
         _cfg(64, 128, 64, 8, 4),
@@ -118,9 +118,9 @@ SWEEP_CONFIGS = {
 }
 
 
-def _cfg_name(cfg, regime):
+def _cfg_name(cfg, regime, fmt):
     if cfg is None:
-        return f"default ({_cfg_name(_DEFAULT_CONFIGS[regime], regime)})"
+        return f"default ({_cfg_name(_DEFAULT_CONFIGS[regime, fmt], regime, fmt)})"
     g, d = cfg["gate_up"], cfg["down"]
     tile = lambda c: f"{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']}"  # noqa: E731
     return f"m{cfg['block_m']} gate_up {tile(g)} / down {tile(d)} {cfg['reduce']}"
@@ -150,7 +150,7 @@ def sweep(args, E, k, D, I, dev, fp4, gate_up, down):
             ref = moe_experts_triton(x, top_idx, top_w, **weights).float()
             results = []
             for cfg in SWEEP_CONFIGS[regime]:
-                name = _cfg_name(cfg, regime)
+                name = _cfg_name(cfg, regime, "mxfp4" if fmt == "MXFP4" else "dense")
                 try:
                     fn = lambda cfg=cfg: moe_experts_triton(x, top_idx, top_w, **weights, config=cfg)  # noqa: E731
                     err = ((fn().float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()

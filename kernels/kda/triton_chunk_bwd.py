@@ -66,7 +66,8 @@ products are exact fp32 ("ieee") for fp32 inputs and tf32 for bf16 inputs, excep
 
 Registers (compiled ahead of time for sm_90a with triton 3.6, ptxas -v, K = V = 128, tf32): the sequential
 kernels at block_v = 32 and 4 warps spill <= 80 bytes; the per-chunk kernel at chunk_block_v = 16 and 8 warps
-spills nothing (4 warps: ~1 KB). The fp32-input ("ieee") variants spill more; they serve fp32 training and the
+spills nothing, with 4 warps ~0.5-1 KB, yet 32 / 4 warps / 1 stage is the fastest measured (fewer, larger V steps
+and more programs resident per SM outweigh the spill traffic). The fp32-input ("ieee") variants spill more; they serve fp32 training and the
 tests, not the bf16 fast path. Timings on an H200: benchmarks/kda_chunk_bwd.py.
 """
 
@@ -399,8 +400,8 @@ def chunk_kda_bwd(
     q, k, v, g, beta, do, scale=None, initial_state=None, dht=None, cu_seqlens=None,
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=-5.0,
     use_beta_sigmoid_in_kernel=False,
-    state_dtype=torch.float32, block_v=None, num_warps=4, chunk_block_v=None, chunk_num_warps=None,
-    chunk_num_stages=None, check_gate=True,
+    state_dtype=torch.float32, block_v=None, num_warps=2, chunk_block_v=None, chunk_num_warps=4,
+    chunk_num_stages=1, check_gate=True,
 ):
     """Gradients of the chunked KDA, through the same in-kernel preprocessing flags as the forward.
 
@@ -409,9 +410,11 @@ def chunk_kda_bwd(
     beta: [B, T, H] in (0, 1), or logits when ``use_beta_sigmoid_in_kernel``; ``use_qk_l2norm_in_kernel``:
     q and k are L2-normalised inside. initial_state, dht: [N, H, K, V] or None. ``state_dtype``: storage of
     the recomputed per-chunk states and state grads (fp32 or bf16). ``block_v`` / ``num_warps``: V tile and
-    warps of the two sequential kernels (default 32 / 4); ``chunk_block_v`` / ``chunk_num_warps``: those of
-    the per-chunk gradient kernel (default 16 / 8 at K >= 128), ``chunk_num_stages`` its V-loop pipelining
-    depth (Triton's default when None). ``check_gate``: verify -5 <= g <= 0 for a
+    warps of the two sequential kernels and the prep kernel (default 32 / 2); ``chunk_block_v`` /
+    ``chunk_num_warps``: those of the per-chunk gradient kernel (default 32 / 4), ``chunk_num_stages`` its
+    V-loop pipelining depth (default 1; None: Triton's default). The defaults are the fastest of a sweep on the
+    H200 at K = V = 128, T = 8K (BENCHMARKS.md, fifth session: 22.2 ms forward + backward, against 33.7 with the
+    earlier 32 / 4 and 16 / 8 / Triton-default stages). ``check_gate``: verify -5 <= g <= 0 for a
     precomputed g (one reduction and a host sync; ``_ChunkKDAFunction`` skips it, its forward has checked).
 
     Returns (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias): the gradients with respect to the inputs as
@@ -445,7 +448,7 @@ def chunk_kda_bwd(
     BV = block_v or min(V, 32)
     if V % BV or not _is_pow2(BV):
         raise ValueError(f"block_v must be a power of two >= 16 dividing V = {V}, got {BV}")
-    CBV = chunk_block_v or 16
+    CBV = chunk_block_v or min(V, 32)
     if V % CBV or not _is_pow2(CBV):
         raise ValueError(f"chunk_block_v must be a power of two >= 16 dividing V = {V}, got {CBV}")
     dev = q.device
@@ -500,9 +503,9 @@ def chunk_kda_bwd(
     # per-(chunk, head) partial sums of the gate parameters' gradients, summed below (deterministic)
     ddt_part = torch.empty(NT, H, K, **f32) if gate else dummy
     dA_part = torch.empty(NT, H, **f32) if gate else dummy
-    # the chunk kernel keeps ~7 [16, K] fp32 tiles live plus two [K, CBV] state tiles: at K = 128, CBV = 16
-    # and 8 warps ptxas (sm_90a, triton 3.6, tf32) reports no spills, with 4 warps ~1 KB
-    chunk_warps = chunk_num_warps or (8 if K >= 128 else 4)
+    # the chunk kernel keeps ~7 [16, K] fp32 tiles live plus two [K, CBV] state tiles; at K = 128 the default
+    # (CBV 32, 4 warps, 1 stage) spills ~0.5-0.9 KB (ptxas, sm_90a, triton 3.6) and is still the fastest measured
+    chunk_warps = chunk_num_warps or 4
     _bwd_prep_kernel[(NT, H)](q, k, g, beta, cu, chunk_indices, X_buf, w_buf, Aqk_buf, kd_buf, qg_buf, gl_buf, b_buf,
                               float(scale), *gate_args, **common, **flags, num_warps=num_warps)
     grid = (N, H, V // BV)

@@ -173,23 +173,25 @@ def _align(top_idx: torch.Tensor, num_experts: int, block_m: int):
     return sorted_ids, block_expert, total
 
 
-# Launch defaults per regime, the one place to drop a GPU sweep's winner in (`benchmarks/moe.py --sweep`).
-# Decode (N * top_k <= 4 E: about a handful of rows per touched expert) is bound by the expert-weight bytes, so small
-# row tiles; prefill reuses each weight tile over many rows. Values are today's measured launch (H200, K3 shapes:
-# 64 tokens MXFP4 7.46 ms, 8192 tokens bf16 197 TFLOP/s), with Triton's own num_warps / num_stages defaults for
-# CUDA (4, 3) spelled out, until a sweep on the GPU says better. BLOCK_N is clamped to the output width's next power
-# of two (tiny models); the MXFP4 BLOCK_K default falls back to 32 where 64 does not divide the K width.
+# Launch defaults per (regime, weight format: "mxfp4" or "dense" bf16 / fp16), the one place to drop a GPU sweep's winner in
+# (`benchmarks/moe.py --sweep`). Decode (N * top_k <= 4 E: about a handful of rows per touched expert) is bound by the
+# expert-weight bytes (bf16) or by the in-register unpack (MXFP4), so small row tiles; prefill reuses each weight tile
+# over many rows. Values: the sweep's best on the H200 at K3 shapes (BENCHMARKS.md, fifth session; triton 3.6):
+# decode 64 tokens MXFP4 7.12 ms (the old 64x64 tile stayed best: wider K tiles or 8 warps only add unpack latency),
+# bf16 9.90 ms with 128x128 tiles over 8 warps (11.00 with 64x64); prefill 8192 tokens bf16 34.2 ms (254 TFLOP/s,
+# 43.6 with 64x64 over 4 warps), MXFP4 50.7 ms (within 2 % of the old default). BLOCK_N is clamped to the output
+# width's next power of two (tiny models); the MXFP4 BLOCK_K default falls back to 32 where 64 does not divide the
+# K width.
+def _tiles(block_m, bn, bk, warps, stages):
+    kern = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+    return {"block_m": block_m, "reduce": "atomic", "gate_up": dict(kern), "down": dict(kern)}
+
+
 _DEFAULT_CONFIGS = {
-    "decode": {
-        "block_m": 16, "reduce": "atomic",
-        "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
-        "down": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
-    },
-    "prefill": {
-        "block_m": 64, "reduce": "atomic",
-        "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
-        "down": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
-    },
+    ("decode", "mxfp4"): _tiles(16, 64, 64, 4, 3),
+    ("decode", "dense"): _tiles(16, 128, 128, 8, 4),
+    ("prefill", "mxfp4"): _tiles(64, 128, 64, 4, 3),
+    ("prefill", "dense"): _tiles(64, 128, 64, 8, 4),
 }
 _CONFIG_KEYS = ("block_m", "reduce", "gate_up", "down")
 _KERNEL_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
@@ -213,7 +215,7 @@ def _resolve_config(config, block_m, *, decode: bool, fp4: bool, D: int, I: int)
             raise ValueError(f"config: unknown key {key!r} (known: {', '.join(_CONFIG_KEYS)})")
     if block_m is not None and "block_m" in config and config["block_m"] != block_m:
         raise ValueError(f"block_m given twice: block_m={block_m} and config['block_m']={config['block_m']}")
-    base = _DEFAULT_CONFIGS["decode" if decode else "prefill"]
+    base = _DEFAULT_CONFIGS[("decode" if decode else "prefill", "mxfp4" if fp4 else "dense")]
     out = {"block_m": config.get("block_m", block_m if block_m is not None else base["block_m"]),
            "reduce": config.get("reduce", base["reduce"])}
     if not _is_pow2_tile(out["block_m"]):
@@ -255,7 +257,8 @@ def moe_experts_triton(
 ):
     """x `[N, D]` -> `[N, D]`. Give bf16/fp16 `gate_up [E, 2I, D]` + `down [E, D, I]`, or the MXFP4 quartet.
 
-    `config` (all keys optional, the rest from `_DEFAULT_CONFIGS` of the regime, decode when N * k <= 4 E):
+    `config` (all keys optional, the rest from `_DEFAULT_CONFIGS` of the regime, decode when N * k <= 4 E, and
+    the weight format):
     `block_m` (rows per tile, a power of two >= 16; same as the `block_m=` argument, giving both differently
     raises), `reduce` ("atomic" or "sorted", see the module doc), and per kernel `gate_up` / `down` dicts with
     `BLOCK_N`, `BLOCK_K` (powers of two >= 16; with MXFP4 a multiple of 32 dividing the K width: D for gate_up,
