@@ -300,40 +300,6 @@ def _mm64(a, b, MODE: tl.constexpr):
 
 
 @triton.jit
-def _sub_tile(q, k, g, beta, bos, L, t0, i_h, a_h, bias, lower_bound, scale, carry,
-              H: tl.constexpr, K: tl.constexpr, BS: tl.constexpr,
-              USE_GATE: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, USE_L2NORM: tl.constexpr):
-    """Load one 16-token sub-tile starting at position t0 of the sequence.
-
-    Returns scaled q, k [BS, K] (L2-normalised if asked), G [BS, K] = cumulative log decay from the chunk
-    start (``carry`` = G at the end of the previous sub-tile), e [K] = G at the sub-tile's last row, beta [BS],
-    rows [BS] (flat token index) and the row mask. Rows past the sequence end load as q = k = 0, g = 0,
-    beta = 0: they change neither the state nor the decay.
-    """
-    o_s = tl.arange(0, BS)
-    o_k = tl.arange(0, K)
-    pos = t0 + o_s
-    m_t = pos < L
-    rows = bos + pos
-    p_qk = (rows[:, None] * H + i_h) * K + o_k[None, :]
-    m_qk = m_t[:, None]
-    b_q = tl.load(q + p_qk, mask=m_qk, other=0.0).to(tl.float32)
-    b_k = tl.load(k + p_qk, mask=m_qk, other=0.0).to(tl.float32)
-    b_g = tl.load(g + p_qk, mask=m_qk, other=0.0).to(tl.float32)
-    if USE_GATE:
-        b_g = tl.where(m_qk, lower_bound * tl.sigmoid(a_h * (b_g + bias[None, :])), 0.0)
-    b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    if USE_BETA_SIGMOID:
-        b_beta = tl.where(m_t, tl.sigmoid(b_beta), 0.0)
-    if USE_L2NORM:
-        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)[:, None]
-        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
-    G = tl.cumsum(b_g, axis=0) + carry[None, :]
-    e = tl.sum(tl.where(o_s[:, None] == BS - 1, G, 0.0), axis=0)
-    return b_q * scale, b_k, G, e, b_beta, rows, m_t
-
-
-@triton.jit
 def _inv_unit_lower(M, BS: tl.constexpr):
     # X = (I - M)^-1 for strictly lower M [BS, BS] by forward substitution (row i = e_i + sum_{j<i} M_ij X_j);
     # see the fused 16-token kernel for why not the nilpotent product.
@@ -347,12 +313,53 @@ def _inv_unit_lower(M, BS: tl.constexpr):
 
 
 @triton.jit
-def _store_rows(ptr, rows, m_t, i_h, x, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, COL0: tl.constexpr,
-                W: tl.constexpr):
+def _store_rows(ptr, rows, m_t, i_h, x, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, COL0, W: tl.constexpr):
     # x [BS, W] -> ptr[(rows * H + i_h) * D + COL0 + (0..W)], rows past the sequence end skipped
     o_w = tl.arange(0, W)
     p = (rows[:, None] * H + i_h) * D + COL0 + o_w[None, :]
     tl.store(ptr + p, x.to(ptr.dtype.element_ty), mask=m_t[:, None])
+
+
+@triton.jit
+def _ks_sub(q, k, g, rows, m_t, i_h, o_c, a_h, bias, lower_bound, carry,
+            H: tl.constexpr, K: tl.constexpr, BS: tl.constexpr, USE_GATE: tl.constexpr):
+    """Channels o_c [BK] of one 16-token sub-tile: raw q, k (fp32, not normalised) and G = carry + cumsum(g)."""
+    p = (rows[:, None] * H + i_h) * K + o_c[None, :]
+    m2 = m_t[:, None]
+    b_q = tl.load(q + p, mask=m2, other=0.0).to(tl.float32)
+    b_k = tl.load(k + p, mask=m2, other=0.0).to(tl.float32)
+    b_g = tl.load(g + p, mask=m2, other=0.0).to(tl.float32)
+    if USE_GATE:
+        b_g = tl.where(m2, lower_bound * tl.sigmoid(a_h * (b_g + bias[None, :])), 0.0)
+    G = tl.cumsum(b_g, axis=0) + carry[None, :]
+    return b_q, b_k, G, tl.sum(tl.where(tl.arange(0, BS)[:, None] == BS - 1, G, 0.0), axis=0)
+
+
+@triton.jit
+def _load_cols(ptr, rows, m_t, i_h, o_c, H: tl.constexpr, D: tl.constexpr):
+    # columns o_c of the rows' [.., H, D] entries as fp32 [BS, len(o_c)], rows past the sequence end zero
+    return tl.load(ptr + (rows[:, None] * H + i_h) * D + o_c[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rows_of(bos, L, t0, BS: tl.constexpr):
+    pos = t0 + tl.arange(0, BS)
+    return bos + pos, pos < L
+
+
+@triton.jit
+def _beta_of(beta, rows, m_t, i_h, H: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr):
+    b = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    if USE_BETA_SIGMOID:
+        b = tl.where(m_t, tl.sigmoid(b), 0.0)
+    return b
+
+
+@triton.jit
+def _inv_norm(ss, USE_L2NORM: tl.constexpr):
+    if USE_L2NORM:
+        return 1.0 / tl.sqrt(ss + 1e-6)
+    return tl.full(ss.shape, 1.0, tl.float32)
 
 
 @triton.jit
@@ -361,18 +368,26 @@ def _kda_chunk64_prep_kernel(
     w_buf, u_buf, qg_buf, kd_buf, A_buf, gl_buf, scale, lower_bound, T, NT,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BS: tl.constexpr, IS_VARLEN: tl.constexpr,
     USE_GATE: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, USE_L2NORM: tl.constexpr,
-    DOT_BF16: tl.constexpr, WU_DOT: tl.constexpr,
+    DOT_BF16: tl.constexpr, WU_DOT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     """Per (64-token chunk, head), fully parallel: everything the state loop needs that does not depend on S.
 
-    Sub-tile i (rows 16i..16i+15) uses the reference r_i = e_{i-1} (G at the end of sub-tile i-1, r_0 = 0):
-    left factors x_a e^{G_a - r_i} (exponent in [-80, 0]), right factors k_b e^{r_i - G_b}: in [0, 80] on the
-    diagonal sub-tile, <= 0 below it, built as kt_j e^{r_i - e_j} with kt_j = k_j e^{e_j - G_j} (exponent in
-    [-80, 0]). So every exp is either <= 1 (a decay, underflow to 0 harmless) or <= e^80 (finite).
-    Writes w, u0 = X diag(beta) (k e^G | v) by block forward substitution, qg = s q e^G, kd = k e^{G_last - G},
-    Aqk [64 rows, 64 cols] (causal, upper blocks zero) and G_last [K].
+    Writes w, u0 = X diag(beta) (k e^G | v) (X the UT inverse of the whole chunk), qg = s q e^G (q.dtype),
+    kd = k e^{G_last - G}, Aqk [64 rows, 64 cols] (causal, upper blocks zero) and G_last [K].
+    The gate is per channel, so the cumulative decay of a channel slice needs only that slice: the kernel walks
+    K (and V) in slices of BK (BV) channels and keeps [16, BK] tiles and [16, 16] blocks live. (The first
+    version held whole [16, K] rows of all four sub-tiles: 255 registers and 1-2 KB of spills a thread on
+    sm_90a, 4.87 ms at T = 8K, H = 96 on the H200, against 2.92 ms for this one; BENCHMARKS.md.) Three sweeps:
+
+    1. over K: the ten lower blocks of Akk and Aqk from the raw (unnormalised) q, k with the sub-tile
+       references of the module docstring, and the squared norms of q and k;
+    2. (registers only) the norms scale the blocks (``<x_a / |x_a|, y_b / |y_b|>``), the UT inverse
+       X = (I + diag(beta) strict(Akk))^-1 is built by blocks: the diagonal ones by forward substitution, then
+       X_ij = -X_ii sum_{j <= m < i} diag(beta_i) A_im X_mj; Aqk is stored;
+    3. over K again (q, k, g re-read, from L2 at these sizes): qg, kd, G_last and w = X diag(beta) k e^G; then
+       over V: u0 = X diag(beta) v.
     """
-    i_c = tl.program_id(0)  # global chunk index (sequence-major)
+    i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if IS_VARLEN:
         i_n = tl.load(chunk_indices + 2 * i_c)
@@ -387,129 +402,181 @@ def _kda_chunk64_prep_kernel(
     L = eos - bos
     t0 = i_t * (4 * BS)
     o_s = tl.arange(0, BS)
-    o_k = tl.arange(0, K)
-    o_v = tl.arange(0, V)
     strict = o_s[:, None] > o_s[None, :]
     causal = o_s[:, None] >= o_s[None, :]
-    zk = tl.zeros([K], dtype=tl.float32)
-    z16 = tl.zeros([BS, BS], dtype=tl.float32)
+    rows0, m0 = _rows_of(bos, L, t0, BS)
+    rows1, m1 = _rows_of(bos, L, t0 + BS, BS)
+    rows2, m2 = _rows_of(bos, L, t0 + 2 * BS, BS)
+    rows3, m3 = _rows_of(bos, L, t0 + 3 * BS, BS)
     if USE_GATE:
         a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        bias = tl.load(dt_bias + i_h * K + o_k).to(tl.float32)
     else:
         a_h = 0.0
-        bias = zk
 
-    # ---- sub-tile 0 (reference r_0 = 0: chunk start)
-    q0, k0, G0, e0, b0, rows0, m0 = _sub_tile(q, k, g, beta, bos, L, t0, i_h, a_h, bias, lower_bound, scale, zk,
-                                              H, K, BS, USE_GATE, USE_BETA_SIGMOID, USE_L2NORM)
-    kg = k0 * tl.exp(G0)
-    qg = q0 * tl.exp(G0)
-    R = k0 * tl.exp(-G0)
-    A00 = tl.where(strict, _mm(kg, tl.trans(R), DOT_BF16), 0.0)
-    Q00 = tl.where(causal, _mm(qg, tl.trans(R), DOT_BF16), 0.0)
-    _store_rows(qg_buf, rows0, m0, i_h, qg, H, K, BS, 0, K)
-    _store_rows(A_buf, rows0, m0, i_h, Q00, H, 4 * BS, BS, 0, BS)
-    _store_rows(A_buf, rows0, m0, i_h, z16, H, 4 * BS, BS, BS, BS)
-    _store_rows(A_buf, rows0, m0, i_h, z16, H, 4 * BS, BS, 2 * BS, BS)
-    _store_rows(A_buf, rows0, m0, i_h, z16, H, 4 * BS, BS, 3 * BS, BS)
-    X0 = _inv_unit_lower(-b0[:, None] * A00, BS)
-    w0 = _mm64(X0, b0[:, None] * kg, WU_DOT)  # [BS, K]
-    _store_rows(w_buf, rows0, m0, i_h, w0, H, K, BS, 0, K)
-    kt0 = k0 * tl.exp(e0[None, :] - G0)
+    # ---- sweep 1: raw blocks A_ij (k k) and Q_ij (q k), j <= i, and squared norms
+    z = tl.zeros([BS, BS], dtype=tl.float32)
+    A00, A10, A11, A20, A21, A22, A30, A31, A32, A33 = z, z, z, z, z, z, z, z, z, z
+    Q00, Q10, Q11, Q20, Q21, Q22, Q30, Q31, Q32, Q33 = z, z, z, z, z, z, z, z, z, z
+    zs = tl.zeros([BS], dtype=tl.float32)
+    sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3 = zs, zs, zs, zs, zs, zs, zs, zs
+    for kk in range(0, K, BK):
+        o_c = kk + tl.arange(0, BK)
+        if USE_GATE:
+            bias = tl.load(dt_bias + i_h * K + o_c).to(tl.float32)
+        else:
+            bias = tl.zeros([BK], dtype=tl.float32)
+        zc = tl.zeros([BK], dtype=tl.float32)
+        # sub-tile 0, reference 0
+        bq, bk, G, e0 = _ks_sub(q, k, g, rows0, m0, i_h, o_c, a_h, bias, lower_bound, zc, H, K, BS, USE_GATE)
+        sq0 += tl.sum(bq * bq, axis=1)
+        sk0 += tl.sum(bk * bk, axis=1)
+        R = bk * tl.exp(-G)
+        A00 += _mm(bk * tl.exp(G), tl.trans(R), DOT_BF16)
+        Q00 += _mm(bq * tl.exp(G), tl.trans(R), DOT_BF16)
+        kt0 = bk * tl.exp(e0[None, :] - G)
+        # sub-tile 1, reference e0
+        bq, bk, G, e1 = _ks_sub(q, k, g, rows1, m1, i_h, o_c, a_h, bias, lower_bound, e0, H, K, BS, USE_GATE)
+        sq1 += tl.sum(bq * bq, axis=1)
+        sk1 += tl.sum(bk * bk, axis=1)
+        lk = bk * tl.exp(G - e0[None, :])
+        lq = bq * tl.exp(G - e0[None, :])
+        R = bk * tl.exp(e0[None, :] - G)
+        A10 += _mm(lk, tl.trans(kt0), DOT_BF16)
+        Q10 += _mm(lq, tl.trans(kt0), DOT_BF16)
+        A11 += _mm(lk, tl.trans(R), DOT_BF16)
+        Q11 += _mm(lq, tl.trans(R), DOT_BF16)
+        kt1 = bk * tl.exp(e1[None, :] - G)
+        # sub-tile 2, reference e1
+        bq, bk, G, e2 = _ks_sub(q, k, g, rows2, m2, i_h, o_c, a_h, bias, lower_bound, e1, H, K, BS, USE_GATE)
+        sq2 += tl.sum(bq * bq, axis=1)
+        sk2 += tl.sum(bk * bk, axis=1)
+        lk = bk * tl.exp(G - e1[None, :])
+        lq = bq * tl.exp(G - e1[None, :])
+        R = kt0 * tl.exp(e1 - e0)[None, :]
+        A20 += _mm(lk, tl.trans(R), DOT_BF16)
+        Q20 += _mm(lq, tl.trans(R), DOT_BF16)
+        A21 += _mm(lk, tl.trans(kt1), DOT_BF16)
+        Q21 += _mm(lq, tl.trans(kt1), DOT_BF16)
+        R = bk * tl.exp(e1[None, :] - G)
+        A22 += _mm(lk, tl.trans(R), DOT_BF16)
+        Q22 += _mm(lq, tl.trans(R), DOT_BF16)
+        kt2 = bk * tl.exp(e2[None, :] - G)
+        # sub-tile 3, reference e2
+        bq, bk, G, e3 = _ks_sub(q, k, g, rows3, m3, i_h, o_c, a_h, bias, lower_bound, e2, H, K, BS, USE_GATE)
+        sq3 += tl.sum(bq * bq, axis=1)
+        sk3 += tl.sum(bk * bk, axis=1)
+        lk = bk * tl.exp(G - e2[None, :])
+        lq = bq * tl.exp(G - e2[None, :])
+        R = kt0 * tl.exp(e2 - e0)[None, :]
+        A30 += _mm(lk, tl.trans(R), DOT_BF16)
+        Q30 += _mm(lq, tl.trans(R), DOT_BF16)
+        R = kt1 * tl.exp(e2 - e1)[None, :]
+        A31 += _mm(lk, tl.trans(R), DOT_BF16)
+        Q31 += _mm(lq, tl.trans(R), DOT_BF16)
+        A32 += _mm(lk, tl.trans(kt2), DOT_BF16)
+        Q32 += _mm(lq, tl.trans(kt2), DOT_BF16)
+        R = bk * tl.exp(e2[None, :] - G)
+        A33 += _mm(lk, tl.trans(R), DOT_BF16)
+        Q33 += _mm(lq, tl.trans(R), DOT_BF16)
 
-    # ---- sub-tile 1 (reference r_1 = e0)
-    q1, k1, G1, e1, b1, rows1, m1 = _sub_tile(q, k, g, beta, bos, L, t0 + BS, i_h, a_h, bias, lower_bound, scale,
-                                              e0, H, K, BS, USE_GATE, USE_BETA_SIGMOID, USE_L2NORM)
-    lk = k1 * tl.exp(G1 - e0[None, :])
-    lq = q1 * tl.exp(G1 - e0[None, :])
-    R = k1 * tl.exp(e0[None, :] - G1)
-    A10 = _mm(lk, tl.trans(kt0), DOT_BF16)
-    Q10 = _mm(lq, tl.trans(kt0), DOT_BF16)
-    A11 = tl.where(strict, _mm(lk, tl.trans(R), DOT_BF16), 0.0)
-    Q11 = tl.where(causal, _mm(lq, tl.trans(R), DOT_BF16), 0.0)
-    _store_rows(qg_buf, rows1, m1, i_h, q1 * tl.exp(G1), H, K, BS, 0, K)
-    _store_rows(A_buf, rows1, m1, i_h, Q10, H, 4 * BS, BS, 0, BS)
-    _store_rows(A_buf, rows1, m1, i_h, Q11, H, 4 * BS, BS, BS, BS)
-    _store_rows(A_buf, rows1, m1, i_h, z16, H, 4 * BS, BS, 2 * BS, BS)
-    _store_rows(A_buf, rows1, m1, i_h, z16, H, 4 * BS, BS, 3 * BS, BS)
-    # (I + diag(b) A) y = diag(b) rhs, block row 1: y_1 = X_11 diag(b_1) (rhs_1 - A_10 y_0)
-    X1 = _inv_unit_lower(-b1[:, None] * A11, BS)
-    w1 = _mm64(X1, b1[:, None] * (k1 * tl.exp(G1) - _mm64(A10, w0, WU_DOT)), WU_DOT)
-    _store_rows(w_buf, rows1, m1, i_h, w1, H, K, BS, 0, K)
-    kt1 = k1 * tl.exp(e1[None, :] - G1)
+    # ---- between the sweeps: normalise, store Aqk, build X by blocks
+    rq0, rq1, rq2, rq3 = (_inv_norm(sq0, USE_L2NORM) * scale, _inv_norm(sq1, USE_L2NORM) * scale,
+                          _inv_norm(sq2, USE_L2NORM) * scale, _inv_norm(sq3, USE_L2NORM) * scale)
+    rk0, rk1, rk2, rk3 = (_inv_norm(sk0, USE_L2NORM), _inv_norm(sk1, USE_L2NORM), _inv_norm(sk2, USE_L2NORM),
+                          _inv_norm(sk3, USE_L2NORM))
+    _store_rows(A_buf, rows0, m0, i_h, tl.where(causal, Q00 * rq0[:, None] * rk0[None, :], 0.0), H, 4 * BS, BS, 0, BS)
+    _store_rows(A_buf, rows0, m0, i_h, z, H, 4 * BS, BS, BS, BS)
+    _store_rows(A_buf, rows0, m0, i_h, z, H, 4 * BS, BS, 2 * BS, BS)
+    _store_rows(A_buf, rows0, m0, i_h, z, H, 4 * BS, BS, 3 * BS, BS)
+    _store_rows(A_buf, rows1, m1, i_h, Q10 * rq1[:, None] * rk0[None, :], H, 4 * BS, BS, 0, BS)
+    _store_rows(A_buf, rows1, m1, i_h, tl.where(causal, Q11 * rq1[:, None] * rk1[None, :], 0.0), H, 4 * BS, BS, BS, BS)
+    _store_rows(A_buf, rows1, m1, i_h, z, H, 4 * BS, BS, 2 * BS, BS)
+    _store_rows(A_buf, rows1, m1, i_h, z, H, 4 * BS, BS, 3 * BS, BS)
+    _store_rows(A_buf, rows2, m2, i_h, Q20 * rq2[:, None] * rk0[None, :], H, 4 * BS, BS, 0, BS)
+    _store_rows(A_buf, rows2, m2, i_h, Q21 * rq2[:, None] * rk1[None, :], H, 4 * BS, BS, BS, BS)
+    _store_rows(A_buf, rows2, m2, i_h, tl.where(causal, Q22 * rq2[:, None] * rk2[None, :], 0.0), H, 4 * BS, BS, 2 * BS,
+                BS)
+    _store_rows(A_buf, rows2, m2, i_h, z, H, 4 * BS, BS, 3 * BS, BS)
+    _store_rows(A_buf, rows3, m3, i_h, Q30 * rq3[:, None] * rk0[None, :], H, 4 * BS, BS, 0, BS)
+    _store_rows(A_buf, rows3, m3, i_h, Q31 * rq3[:, None] * rk1[None, :], H, 4 * BS, BS, BS, BS)
+    _store_rows(A_buf, rows3, m3, i_h, Q32 * rq3[:, None] * rk2[None, :], H, 4 * BS, BS, 2 * BS, BS)
+    _store_rows(A_buf, rows3, m3, i_h, tl.where(causal, Q33 * rq3[:, None] * rk3[None, :], 0.0), H, 4 * BS, BS,
+                3 * BS, BS)
+    b0 = _beta_of(beta, rows0, m0, i_h, H, USE_BETA_SIGMOID)
+    b1 = _beta_of(beta, rows1, m1, i_h, H, USE_BETA_SIGMOID)
+    b2 = _beta_of(beta, rows2, m2, i_h, H, USE_BETA_SIGMOID)
+    b3 = _beta_of(beta, rows3, m3, i_h, H, USE_BETA_SIGMOID)
+    # M_ij = diag(beta_i) A_ij with the normalisation folded in (the rows' own scale, then the columns')
+    M10 = (b1 * rk1)[:, None] * A10 * rk0[None, :]
+    M20 = (b2 * rk2)[:, None] * A20 * rk0[None, :]
+    M21 = (b2 * rk2)[:, None] * A21 * rk1[None, :]
+    M30 = (b3 * rk3)[:, None] * A30 * rk0[None, :]
+    M31 = (b3 * rk3)[:, None] * A31 * rk1[None, :]
+    M32 = (b3 * rk3)[:, None] * A32 * rk2[None, :]
+    X00 = _inv_unit_lower(tl.where(strict, -(b0 * rk0)[:, None] * A00 * rk0[None, :], 0.0), BS)
+    X11 = _inv_unit_lower(tl.where(strict, -(b1 * rk1)[:, None] * A11 * rk1[None, :], 0.0), BS)
+    X22 = _inv_unit_lower(tl.where(strict, -(b2 * rk2)[:, None] * A22 * rk2[None, :], 0.0), BS)
+    X33 = _inv_unit_lower(tl.where(strict, -(b3 * rk3)[:, None] * A33 * rk3[None, :], 0.0), BS)
+    X10 = -_mm64(X11, _mm64(M10, X00, WU_DOT), WU_DOT)
+    X21 = -_mm64(X22, _mm64(M21, X11, WU_DOT), WU_DOT)
+    X20 = -_mm64(X22, _mm64(M20, X00, WU_DOT) + _mm64(M21, X10, WU_DOT), WU_DOT)
+    X32 = -_mm64(X33, _mm64(M32, X22, WU_DOT), WU_DOT)
+    X31 = -_mm64(X33, _mm64(M31, X11, WU_DOT) + _mm64(M32, X21, WU_DOT), WU_DOT)
+    X30 = -_mm64(X33, _mm64(M30, X00, WU_DOT) + _mm64(M31, X10, WU_DOT) + _mm64(M32, X20, WU_DOT), WU_DOT)
 
-    # ---- sub-tile 2 (reference r_2 = e1)
-    q2, k2, G2, e2, b2, rows2, m2 = _sub_tile(q, k, g, beta, bos, L, t0 + 2 * BS, i_h, a_h, bias, lower_bound,
-                                              scale, e1, H, K, BS, USE_GATE, USE_BETA_SIGMOID, USE_L2NORM)
-    lk = k2 * tl.exp(G2 - e1[None, :])
-    lq = q2 * tl.exp(G2 - e1[None, :])
-    R = kt0 * tl.exp(e1 - e0)[None, :]
-    A20 = _mm(lk, tl.trans(R), DOT_BF16)
-    Q20 = _mm(lq, tl.trans(R), DOT_BF16)
-    A21 = _mm(lk, tl.trans(kt1), DOT_BF16)
-    Q21 = _mm(lq, tl.trans(kt1), DOT_BF16)
-    R = k2 * tl.exp(e1[None, :] - G2)
-    A22 = tl.where(strict, _mm(lk, tl.trans(R), DOT_BF16), 0.0)
-    Q22 = tl.where(causal, _mm(lq, tl.trans(R), DOT_BF16), 0.0)
-    _store_rows(qg_buf, rows2, m2, i_h, q2 * tl.exp(G2), H, K, BS, 0, K)
-    _store_rows(A_buf, rows2, m2, i_h, Q20, H, 4 * BS, BS, 0, BS)
-    _store_rows(A_buf, rows2, m2, i_h, Q21, H, 4 * BS, BS, BS, BS)
-    _store_rows(A_buf, rows2, m2, i_h, Q22, H, 4 * BS, BS, 2 * BS, BS)
-    _store_rows(A_buf, rows2, m2, i_h, z16, H, 4 * BS, BS, 3 * BS, BS)
-    X2 = _inv_unit_lower(-b2[:, None] * A22, BS)
-    w2 = _mm64(X2, b2[:, None] * (k2 * tl.exp(G2) - _mm64(A20, w0, WU_DOT) - _mm64(A21, w1, WU_DOT)), WU_DOT)
-    _store_rows(w_buf, rows2, m2, i_h, w2, H, K, BS, 0, K)
-    kt2 = k2 * tl.exp(e2[None, :] - G2)
+    # ---- sweep 2 over K: qg, kd, G_last, w = X diag(beta) (k e^G)
+    for kk in range(0, K, BK):
+        o_c = kk + tl.arange(0, BK)
+        if USE_GATE:
+            bias = tl.load(dt_bias + i_h * K + o_c).to(tl.float32)
+        else:
+            bias = tl.zeros([BK], dtype=tl.float32)
+        zc = tl.zeros([BK], dtype=tl.float32)
+        bq, bk, G, e0 = _ks_sub(q, k, g, rows0, m0, i_h, o_c, a_h, bias, lower_bound, zc, H, K, BS, USE_GATE)
+        _store_rows(qg_buf, rows0, m0, i_h, bq * rq0[:, None] * tl.exp(G), H, K, BS, kk, BK)
+        bk = bk * rk0[:, None]
+        B0 = b0[:, None] * bk * tl.exp(G)
+        kt0 = bk * tl.exp(e0[None, :] - G)
+        bq, bk, G, e1 = _ks_sub(q, k, g, rows1, m1, i_h, o_c, a_h, bias, lower_bound, e0, H, K, BS, USE_GATE)
+        _store_rows(qg_buf, rows1, m1, i_h, bq * rq1[:, None] * tl.exp(G), H, K, BS, kk, BK)
+        bk = bk * rk1[:, None]
+        B1 = b1[:, None] * bk * tl.exp(G)
+        kt1 = bk * tl.exp(e1[None, :] - G)
+        bq, bk, G, e2 = _ks_sub(q, k, g, rows2, m2, i_h, o_c, a_h, bias, lower_bound, e1, H, K, BS, USE_GATE)
+        _store_rows(qg_buf, rows2, m2, i_h, bq * rq2[:, None] * tl.exp(G), H, K, BS, kk, BK)
+        bk = bk * rk2[:, None]
+        B2 = b2[:, None] * bk * tl.exp(G)
+        kt2 = bk * tl.exp(e2[None, :] - G)
+        bq, bk, G, e3 = _ks_sub(q, k, g, rows3, m3, i_h, o_c, a_h, bias, lower_bound, e2, H, K, BS, USE_GATE)
+        _store_rows(qg_buf, rows3, m3, i_h, bq * rq3[:, None] * tl.exp(G), H, K, BS, kk, BK)
+        bk = bk * rk3[:, None]
+        B3 = b3[:, None] * bk * tl.exp(G)
+        # kd_j = k_j e^{G_last - G_j} = kt_j e^{e3 - e_j}: both exponents <= 0
+        _store_rows(kd_buf, rows0, m0, i_h, kt0 * tl.exp(e3 - e0)[None, :], H, K, BS, kk, BK)
+        _store_rows(kd_buf, rows1, m1, i_h, kt1 * tl.exp(e3 - e1)[None, :], H, K, BS, kk, BK)
+        _store_rows(kd_buf, rows2, m2, i_h, kt2 * tl.exp(e3 - e2)[None, :], H, K, BS, kk, BK)
+        _store_rows(kd_buf, rows3, m3, i_h, bk * tl.exp(e3[None, :] - G), H, K, BS, kk, BK)
+        tl.store(gl_buf + (i_c * H + i_h).to(tl.int64) * K + o_c, e3)
+        _store_rows(w_buf, rows0, m0, i_h, _mm64(X00, B0, WU_DOT), H, K, BS, kk, BK)
+        _store_rows(w_buf, rows1, m1, i_h, _mm64(X10, B0, WU_DOT) + _mm64(X11, B1, WU_DOT), H, K, BS, kk, BK)
+        _store_rows(w_buf, rows2, m2, i_h, _mm64(X20, B0, WU_DOT) + _mm64(X21, B1, WU_DOT) + _mm64(X22, B2, WU_DOT),
+                    H, K, BS, kk, BK)
+        _store_rows(w_buf, rows3, m3, i_h, _mm64(X30, B0, WU_DOT) + _mm64(X31, B1, WU_DOT) + _mm64(X32, B2, WU_DOT)
+                    + _mm64(X33, B3, WU_DOT), H, K, BS, kk, BK)
 
-    # ---- sub-tile 3 (reference r_3 = e2)
-    q3, k3, G3, e3, b3, rows3, m3 = _sub_tile(q, k, g, beta, bos, L, t0 + 3 * BS, i_h, a_h, bias, lower_bound,
-                                              scale, e2, H, K, BS, USE_GATE, USE_BETA_SIGMOID, USE_L2NORM)
-    lk = k3 * tl.exp(G3 - e2[None, :])
-    lq = q3 * tl.exp(G3 - e2[None, :])
-    R = kt0 * tl.exp(e2 - e0)[None, :]
-    A30 = _mm(lk, tl.trans(R), DOT_BF16)
-    Q30 = _mm(lq, tl.trans(R), DOT_BF16)
-    R = kt1 * tl.exp(e2 - e1)[None, :]
-    A31 = _mm(lk, tl.trans(R), DOT_BF16)
-    Q31 = _mm(lq, tl.trans(R), DOT_BF16)
-    A32 = _mm(lk, tl.trans(kt2), DOT_BF16)
-    Q32 = _mm(lq, tl.trans(kt2), DOT_BF16)
-    R = k3 * tl.exp(e2[None, :] - G3)
-    A33 = tl.where(strict, _mm(lk, tl.trans(R), DOT_BF16), 0.0)
-    Q33 = tl.where(causal, _mm(lq, tl.trans(R), DOT_BF16), 0.0)
-    _store_rows(qg_buf, rows3, m3, i_h, q3 * tl.exp(G3), H, K, BS, 0, K)
-    _store_rows(A_buf, rows3, m3, i_h, Q30, H, 4 * BS, BS, 0, BS)
-    _store_rows(A_buf, rows3, m3, i_h, Q31, H, 4 * BS, BS, BS, BS)
-    _store_rows(A_buf, rows3, m3, i_h, Q32, H, 4 * BS, BS, 2 * BS, BS)
-    _store_rows(A_buf, rows3, m3, i_h, Q33, H, 4 * BS, BS, 3 * BS, BS)
-    X3 = _inv_unit_lower(-b3[:, None] * A33, BS)
-    w3 = _mm64(X3, b3[:, None] * (k3 * tl.exp(G3) - _mm64(A30, w0, WU_DOT) - _mm64(A31, w1, WU_DOT)
-                                  - _mm64(A32, w2, WU_DOT)), WU_DOT)
-    _store_rows(w_buf, rows3, m3, i_h, w3, H, K, BS, 0, K)
-
-    # ---- kd_j = k_j e^{G_last - G_j} = kt_j e^{e3 - e_j} (both exponents <= 0), and G_last = e3
-    _store_rows(kd_buf, rows0, m0, i_h, kt0 * tl.exp(e3 - e0)[None, :], H, K, BS, 0, K)
-    _store_rows(kd_buf, rows1, m1, i_h, kt1 * tl.exp(e3 - e1)[None, :], H, K, BS, 0, K)
-    _store_rows(kd_buf, rows2, m2, i_h, kt2 * tl.exp(e3 - e2)[None, :], H, K, BS, 0, K)
-    _store_rows(kd_buf, rows3, m3, i_h, k3 * tl.exp(e3[None, :] - G3), H, K, BS, 0, K)
-    tl.store(gl_buf + (i_c * H + i_h).to(tl.int64) * K + o_k, e3)
-
-    # ---- second pass, u0 = same block forward substitution with rhs = v; done after w so that the [16, V]
-    # tiles are not live together with the [16, K] ones (register pressure at K = V = 128)
-    v0 = tl.load(v + (rows0[:, None] * H + i_h) * V + o_v[None, :], mask=m0[:, None], other=0.0).to(tl.float32)
-    u0 = _mm64(X0, b0[:, None] * v0, WU_DOT)  # [BS, V]
-    _store_rows(u_buf, rows0, m0, i_h, u0, H, V, BS, 0, V)
-    v1 = tl.load(v + (rows1[:, None] * H + i_h) * V + o_v[None, :], mask=m1[:, None], other=0.0).to(tl.float32)
-    u1 = _mm64(X1, b1[:, None] * (v1 - _mm64(A10, u0, WU_DOT)), WU_DOT)
-    _store_rows(u_buf, rows1, m1, i_h, u1, H, V, BS, 0, V)
-    v2 = tl.load(v + (rows2[:, None] * H + i_h) * V + o_v[None, :], mask=m2[:, None], other=0.0).to(tl.float32)
-    u2 = _mm64(X2, b2[:, None] * (v2 - _mm64(A20, u0, WU_DOT) - _mm64(A21, u1, WU_DOT)), WU_DOT)
-    _store_rows(u_buf, rows2, m2, i_h, u2, H, V, BS, 0, V)
-    v3 = tl.load(v + (rows3[:, None] * H + i_h) * V + o_v[None, :], mask=m3[:, None], other=0.0).to(tl.float32)
-    u3 = _mm64(X3, b3[:, None] * (v3 - _mm64(A30, u0, WU_DOT) - _mm64(A31, u1, WU_DOT) - _mm64(A32, u2, WU_DOT)),
-               WU_DOT)
-    _store_rows(u_buf, rows3, m3, i_h, u3, H, V, BS, 0, V)
+    # ---- sweep over V: u0 = X diag(beta) v
+    for vv in range(0, V, BV):
+        o_c = vv + tl.arange(0, BV)
+        B0 = b0[:, None] * _load_cols(v, rows0, m0, i_h, o_c, H, V)
+        B1 = b1[:, None] * _load_cols(v, rows1, m1, i_h, o_c, H, V)
+        B2 = b2[:, None] * _load_cols(v, rows2, m2, i_h, o_c, H, V)
+        B3 = b3[:, None] * _load_cols(v, rows3, m3, i_h, o_c, H, V)
+        _store_rows(u_buf, rows0, m0, i_h, _mm64(X00, B0, WU_DOT), H, V, BS, vv, BV)
+        _store_rows(u_buf, rows1, m1, i_h, _mm64(X10, B0, WU_DOT) + _mm64(X11, B1, WU_DOT), H, V, BS, vv, BV)
+        _store_rows(u_buf, rows2, m2, i_h, _mm64(X20, B0, WU_DOT) + _mm64(X21, B1, WU_DOT) + _mm64(X22, B2, WU_DOT),
+                    H, V, BS, vv, BV)
+        _store_rows(u_buf, rows3, m3, i_h, _mm64(X30, B0, WU_DOT) + _mm64(X31, B1, WU_DOT) + _mm64(X32, B2, WU_DOT)
+                    + _mm64(X33, B3, WU_DOT), H, V, BS, vv, BV)
 
 
 @triton.jit
@@ -765,11 +832,23 @@ def chunk_kda_fwd(
     return out, ht
 
 
+# Channels per slice of the 64-token prep kernel (its K and V sweeps); module-level so a benchmark can sweep it.
+_PREP64_BLOCK = 32
+
+
+def _launch_prep64(n_chunks, args, H, K, V, is_varlen, flags, dot_mode, wu_dot, prep_num_warps):
+    use_gate, use_bsig, use_l2 = flags
+    _kda_chunk64_prep_kernel[(n_chunks, H)](
+        *args, H=H, K=K, V=V, BS=_BS, IS_VARLEN=is_varlen, USE_GATE=use_gate, USE_BETA_SIGMOID=use_bsig,
+        USE_L2NORM=use_l2, DOT_BF16=dot_mode, WU_DOT=wu_dot, BK=min(K, _PREP64_BLOCK), BV=min(V, _PREP64_BLOCK),
+        num_warps=prep_num_warps or 4,
+    )
+
+
 def _chunk64_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, lower_bound, dims, BV, dot_mode,
                  num_warps, num_stages, prep_num_warps, state_dot, lowp_buffers, flags):
     """Launch the 64-token path: prep (parallel over chunk x head) then the state loop (sequence x head x V)."""
     B, T, H, K, V, N = dims
-    use_gate, use_bsig, use_l2 = flags
     dev = q.device
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     # Chunks never cross a sequence boundary; a sequence's last chunk may be partial (masked).
@@ -816,13 +895,9 @@ def _chunk64_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, lo
         st_dot = 4 if interp else 3
     is_varlen = cu_seqlens is not None
     if n_chunks:
-        _kda_chunk64_prep_kernel[(n_chunks, H)](
-            q, k, v, g, beta, cu_all, chunk_indices, *gate_args,
-            w_buf, u_buf, qg_buf, kd_buf, A_buf, gl_buf, scale, lower_bound, T, NT,
-            H=H, K=K, V=V, BS=_BS, IS_VARLEN=is_varlen, USE_GATE=use_gate, USE_BETA_SIGMOID=use_bsig,
-            USE_L2NORM=use_l2,
-            DOT_BF16=dot_mode, WU_DOT=wu_dot, num_warps=prep_num_warps or (8 if max(K, V) >= 128 else 4),
-        )
+        _launch_prep64(n_chunks, (q, k, v, g, beta, cu_all, chunk_indices, *gate_args,
+                                  w_buf, u_buf, qg_buf, kd_buf, A_buf, gl_buf, scale, lower_bound, T, NT),
+                       H, K, V, is_varlen, flags, dot_mode, wu_dot, prep_num_warps)
 
     def launch(stages):
         _kda_chunk64_state_kernel[(N, H, V // BV)](
@@ -915,13 +990,9 @@ def _stored_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, low
     else:
         st_dot = tf32
     if n_chunks and BT == 64:
-        _kda_chunk64_prep_kernel[(n_chunks, H)](
-            q, k, v, g, beta, cu_all, chunk_indices, *gate_args,
-            w_buf, u_buf, qg_buf, kd_buf, A_buf, gl_buf, scale, lower_bound, T, NT,
-            H=H, K=K, V=V, BS=_BS, IS_VARLEN=is_varlen, USE_GATE=use_gate, USE_BETA_SIGMOID=use_bsig,
-            USE_L2NORM=use_l2, DOT_BF16=dot_mode, WU_DOT=tf32 if bf16 else 0,
-            num_warps=prep_num_warps or (8 if max(K, V) >= 128 else 4),
-        )
+        _launch_prep64(n_chunks, (q, k, v, g, beta, cu_all, chunk_indices, *gate_args,
+                                  w_buf, u_buf, qg_buf, kd_buf, A_buf, gl_buf, scale, lower_bound, T, NT),
+                       H, K, V, is_varlen, flags, dot_mode, tf32 if bf16 else 0, prep_num_warps)
     elif n_chunks:
         _kda_chunk_prep_kernel[(n_chunks, H)](
             q, k, v, g, beta, cu_all, chunk_indices, *gate_args, w_buf, u_buf, lower_bound,
