@@ -21,11 +21,12 @@ registers), derived from the reference's UT transform:
 ``chunk_kda_fwd(..., split=True)`` moves the S-independent part (cumsum, Akk, X, w, u0) into a kernel that
 is parallel over (chunk, head) and leaves only the four state products in the sequential loop.
 
-Precision: fp32 inputs use exact fp32 dots; bf16 inputs use bf16 dots for the intra-chunk products and
-tf32 for every product against the fp32 state (bf16 there cost ~1e-2 relative error in the final state).
+Precision: fp32 inputs use exact fp32 dots; bf16 inputs use bf16 dots for the intra-chunk products. The
+products against the fp32 state take tf32 operands in the 16-token path and, by default, bf16 operands in the
+64-token path (``state_dot``; as fla does; ~4e-3 relative in the final state, ~1e-2 in the worst tests).
 
-64-token chunks (``chunk_size=64``; measured slower than 16-token ``split`` on the H200 with triton 3.6, 7.5 vs
-6.2 ms at T = 8K, so not the default): the state loop above is latency-bound on 16-token steps
+64-token chunks (``chunk_size=64``, the default since the prep kernel below walks channel slices: 4.10 ms at
+T = 8K on the H200 against 6.37 for 16-token ``split``): the state loop above is latency-bound on 16-token steps
 (512 sequential steps of tiny dots at T = 8K). With C = 64 the loop has 4x fewer steps and its dots are
 [64, K] x [K, BV]. Inside a 64-chunk the cumulative decay G lies in (-320, 0], so exp(-G) would overflow;
 the chunk is therefore built from four 16-token sub-tiles t = 0..3 with e_t = G at the end of sub-tile t
@@ -39,17 +40,18 @@ so every factor is either <= 1 (a decay: underflow to 0 is harmless, the true pr
 <= e^80, and ``Akk_ij = (k_i e^{G_i - r_i}) (k_j e^{r_i - G_j})^T`` (strict lower on i = j), likewise
 ``Aqk_ij`` with s q_i, are plain 16x16 dots: no [C, C, K] tensor. The remaining factors are G <= 0
 (``k e^G``, ``s q e^G``) and G_last - G <= 0 (``kd``): safe. The UT system (I + diag(beta) Akk) y = diag(beta)
-rhs is block lower triangular; it is solved by block forward substitution
-``y_i = X_ii diag(beta_i) (rhs_i - sum_{j<i} Akk_ij y_j)`` with X_ii = (I + diag(beta_i) Akk_ii)^-1 from the
-16x16 forward substitution, for rhs = k e^G (giving w) and rhs = v (giving u0). All of this is independent
+rhs is block lower triangular; its inverse X is built by blocks, X_ii = (I + diag(beta_i) Akk_ii)^-1 by the
+16x16 forward substitution and X_ij = -X_ii sum_{j <= m < i} diag(beta_i) Akk_im X_mj, then applied to
+rhs = k e^G (giving w) and rhs = v (giving u0). All of this is independent
 of the state and runs in ``_kda_chunk64_prep_kernel``, parallel over (chunk, head); it writes w, qg = s q e^G
 (q.dtype), kd = k e^{G_last - G}, Aqk, u0 (fp32) and G_last. ``_kda_chunk64_state_kernel`` (sequential over
 chunks per (sequence, head, V-block)) then only does u = u0 - w S, o = qg S + Aqk u,
 S <- e^{G_last} S + kd^T u. Chunks never cross a sequence boundary (per-sequence chunk indices, the last
 chunk of a sequence partial and masked). Precision of the buffers and dots: see ``_chunk64_fwd``.
 
-Stored states + parallel output (``output="stored"``, both chunk sizes; fla's chunk_kda layout; default
-stays ``"fused"`` until H200 numbers decide, ``benchmarks/kda_chunk.py --stored``): the loop above still
+Stored states + parallel output (``output="stored"``, both chunk sizes; fla's chunk_kda layout; 3.80 ms at
+T = 8K with bf16 h against 4.10 for the fused default, but it keeps every 64-chunk's state: 6.4 GB in bf16 at
+128K, H = 96, so "fused" stays the default; ``benchmarks/kda_chunk.py --stored``): the loop above still
 carries four dependent products per chunk. With "stored" the sequential kernel (the 64-token state kernel,
 also run with BT = 16) only does u = u0 - w S (written to v_new, fp32) and S <- e^{G_last} S + kd^T u, and
 stores the state at the START of every chunk into h [chunks, H, K, V] (fp32, or bf16 with ``h_dtype``);
@@ -713,8 +715,8 @@ def check_gate_args(A_log, dt_bias, lower_bound, H, K):
 def chunk_kda_fwd(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=-5.0,
-    use_beta_sigmoid_in_kernel=False, out=None, block_v=None, num_warps=4, split=True, chunk_size=16,
-    num_stages=None, prep_num_warps=None, state_dot=None, lowp_buffers=False, output="fused", h_dtype=None,
+    use_beta_sigmoid_in_kernel=False, out=None, block_v=None, num_warps=4, split=True, chunk_size=64,
+    num_stages=None, prep_num_warps=None, state_dot="bf16", lowp_buffers=True, output="fused", h_dtype=None,
     out_block_v=None, out_num_warps=None, out_num_stages=None,
 ):
     """Forward only (no autograd). ``out`` (optional, [B, T, H, V], v.dtype) receives the output.
@@ -728,18 +730,20 @@ def chunk_kda_fwd(
     kernel, ``out_block_v`` / ``out_num_warps`` / ``out_num_stages`` for the output kernel (defaults
     min(V, 64) / 4 / 2).
 
-    ``chunk_size=64``: the two-kernel 64-token path (``_kda_chunk64_prep_kernel`` parallel over
+    ``chunk_size=64`` (the default): the two-kernel 64-token path (``_kda_chunk64_prep_kernel`` parallel over
     (chunk, head), then ``_kda_chunk64_state_kernel`` sequential over chunks; ``split`` is ignored).
     ``num_warps`` / ``num_stages`` tune the sequential kernel (default num_stages 2, falling back to 1 when
-    shared memory is short), ``prep_num_warps`` the prep kernel (default 8 when K or V >= 128, else 4: its
-    [16, K] tiles would otherwise spill registers).
-    ``state_dot`` (bf16 inputs only): "tf32" (default) or "bf16" operands for the products against the
-    fp32 state; fp32 inputs always use exact fp32 dots. ``lowp_buffers=True`` (bf16 inputs) also stores the
-    kd and Aqk intermediates in q.dtype (~0.75 KB less HBM traffic per token-head at K = 128, written once
-    and read at least once; at a precision cost: see ``_chunk64_fwd``).
+    shared memory is short), ``prep_num_warps`` the prep kernel (default 4).
+    ``state_dot`` (bf16 inputs only): "bf16" (default, as fla's chunk_kda) or "tf32" operands for the products
+    against the state, which itself stays fp32 (registers, initial and final state); fp32 inputs always use
+    exact fp32 dots. ``lowp_buffers=True`` (default; bf16 inputs) also stores the kd and Aqk intermediates in
+    q.dtype (~0.75 KB less HBM traffic per token-head at K = 128, written once and read at least once).
+    Measured on the H200 at T = 8K, H = 96, K = V = 128 (BENCHMARKS.md, fifth session): 4.10 ms with these
+    defaults, 4.73 with lowp_buffers=False, 6.06 with state_dot="tf32" as well, 6.37 for the 16-token path; the
+    final state moves 4.2e-3 (relative, max norm) from the tf32 16-token path's, o 5.5e-3; fla's chunk_kda, with
+    bf16 state products too, measured 4.0e-3 / 5.3e-3 from the fp32 reference in the same kind of check.
 
-    ``chunk_size=16`` with ``split=True`` (the default, the fastest measured on the H200: BENCHMARKS.md): the
-    16-token kernel. ``split=True``: w, u0 are first computed for all chunks in
+    ``chunk_size=16`` with ``split=True``: the 16-token kernel (tf32 state products, fp32 buffers). ``split=True``: w, u0 are first computed for all chunks in
     parallel (``_kda_chunk_prep_kernel``; w in q.dtype, u0 in fp32 because bf16 u0 cost ~6e-3 relative error
     in the final state; ~1.5 KB per token-head of extra traffic at K = V = 128), then the sequential kernel
     only does the state products; ``split=False`` computes them inside the sequential loop.
