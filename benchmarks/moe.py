@@ -60,6 +60,14 @@ def loop_experts(x, top_idx, top_w, gate_up, down):
     return out
 
 
+def _tokens(N, E, k, D, dev):
+    """N random bf16 tokens routed to the top k of uniform random scores (weights renormalised), and how many
+    distinct experts they touch."""
+    x = torch.randn(N, D, device=dev, dtype=torch.bfloat16)
+    top_w, top_idx = torch.rand(N, E, device=dev).topk(k, dim=-1)
+    return x, top_idx, top_w / top_w.sum(-1, keepdim=True), torch.unique(top_idx).numel()
+
+
 def _bench(fn, dev):
     if dev == "cuda":
         return triton.testing.do_bench(fn, warmup=5, rep=50)  # median ms
@@ -137,11 +145,7 @@ def sweep(args, E, k, D, I, dev, fp4, gate_up, down):
           flush=True)
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     for N in args.tokens:
-        x = torch.randn(N, D, device=dev, dtype=torch.bfloat16)
-        scores = torch.rand(N, E, device=dev)
-        top_w, top_idx = scores.topk(k, dim=-1)
-        top_w = top_w / top_w.sum(-1, keepdim=True)
-        touched = torch.unique(top_idx).numel()
+        x, top_idx, top_w, touched = _tokens(N, E, k, D, dev)
         flops = 2 * N * k * (3 * D * I)
         peer = _bench(lambda: grouped_mm_experts(x, top_idx, top_w, gate_up, down), dev)
         regime = "decode" if N * k <= 4 * E else "prefill"  # the kernel's own rule
@@ -200,11 +204,7 @@ def main():
         return sweep(args, E, k, D, I, dev, fp4, gate_up, down)
     rows = []
     for N in args.tokens:
-        x = torch.randn(N, D, device=dev, dtype=torch.bfloat16)
-        scores = torch.rand(N, E, device=dev)
-        top_w, top_idx = scores.topk(k, dim=-1)
-        top_w = top_w / top_w.sum(-1, keepdim=True)
-        touched = torch.unique(top_idx).numel()
+        x, top_idx, top_w, touched = _tokens(N, E, k, D, dev)
         paths = {
             "ours MXFP4": lambda: moe_experts_triton(x, top_idx, top_w, **fp4),
             "ours bf16": lambda: moe_experts_triton(x, top_idx, top_w, gate_up=gate_up, down=down),

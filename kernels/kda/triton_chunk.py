@@ -338,6 +338,42 @@ def _ks_sub(q, k, g, rows, m_t, i_h, o_c, a_h, bias, lower_bound, carry,
 
 
 @triton.jit
+def _bias_cols(dt_bias, i_h, o_c, K: tl.constexpr, USE_GATE: tl.constexpr):
+    if USE_GATE:
+        return tl.load(dt_bias + i_h * K + o_c).to(tl.float32)
+    return tl.zeros(o_c.shape, dtype=tl.float32)
+
+
+@triton.jit
+def _ks_left(q, k, g, rows, m_t, i_h, o_c, a_h, bias, lower_bound, ref,
+             H: tl.constexpr, K: tl.constexpr, BS: tl.constexpr, USE_GATE: tl.constexpr):
+    """Sweep 1 of a sub-tile whose chunk decay starts at `ref` (e of the sub-tile before, 0 for the first):
+    left factors k e^{G - ref}, q e^{G - ref} (exponents in [-80, 0]), its own right factor k e^{ref - G}
+    (in [0, 80]), kt = k e^{e - G} for the later sub-tiles, e = G at its last row, and the squared norms."""
+    bq, bk, G, e = _ks_sub(q, k, g, rows, m_t, i_h, o_c, a_h, bias, lower_bound, ref, H, K, BS, USE_GATE)
+    left = tl.exp(G - ref[None, :])
+    return (bk * left, bq * left, bk * tl.exp(ref[None, :] - G), bk * tl.exp(e[None, :] - G), e,
+            tl.sum(bq * bq, axis=1), tl.sum(bk * bk, axis=1))
+
+
+@triton.jit
+def _acc2(A, Q, lk, lq, right, DOT_BF16: tl.constexpr):
+    # one block of Akk and of Aqk: the same right factor against the k and the q rows
+    return A + _mm(lk, tl.trans(right), DOT_BF16), Q + _mm(lq, tl.trans(right), DOT_BF16)
+
+
+@triton.jit
+def _ks_right(q, k, g, rows, m_t, i_h, o_c, a_h, bias, lower_bound, ref, rq, rk, b, qg_buf, col0,
+              H: tl.constexpr, K: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr):
+    """Sweep 2 of a sub-tile (normalised now): stores qg = s q e^G, returns diag(beta) k e^G (w's right-hand
+    side), kt = k e^{e - G} and e."""
+    bq, bk, G, e = _ks_sub(q, k, g, rows, m_t, i_h, o_c, a_h, bias, lower_bound, ref, H, K, BS, USE_GATE)
+    _store_rows(qg_buf, rows, m_t, i_h, bq * rq[:, None] * tl.exp(G), H, K, BS, col0, BK)
+    bk = bk * rk[:, None]
+    return b[:, None] * bk * tl.exp(G), bk * tl.exp(e[None, :] - G), e
+
+
+@triton.jit
 def _load_cols(ptr, rows, m_t, i_h, o_c, H: tl.constexpr, D: tl.constexpr):
     # columns o_c of the rows' [.., H, D] entries as fp32 [BS, len(o_c)], rows past the sequence end zero
     return tl.load(ptr + (rows[:, None] * H + i_h) * D + o_c[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
@@ -423,63 +459,35 @@ def _kda_chunk64_prep_kernel(
     sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3 = zs, zs, zs, zs, zs, zs, zs, zs
     for kk in range(0, K, BK):
         o_c = kk + tl.arange(0, BK)
-        if USE_GATE:
-            bias = tl.load(dt_bias + i_h * K + o_c).to(tl.float32)
-        else:
-            bias = tl.zeros([BK], dtype=tl.float32)
+        bias = _bias_cols(dt_bias, i_h, o_c, K, USE_GATE)
         zc = tl.zeros([BK], dtype=tl.float32)
-        # sub-tile 0, reference 0
-        bq, bk, G, e0 = _ks_sub(q, k, g, rows0, m0, i_h, o_c, a_h, bias, lower_bound, zc, H, K, BS, USE_GATE)
-        sq0 += tl.sum(bq * bq, axis=1)
-        sk0 += tl.sum(bk * bk, axis=1)
-        R = bk * tl.exp(-G)
-        A00 += _mm(bk * tl.exp(G), tl.trans(R), DOT_BF16)
-        Q00 += _mm(bq * tl.exp(G), tl.trans(R), DOT_BF16)
-        kt0 = bk * tl.exp(e0[None, :] - G)
-        # sub-tile 1, reference e0
-        bq, bk, G, e1 = _ks_sub(q, k, g, rows1, m1, i_h, o_c, a_h, bias, lower_bound, e0, H, K, BS, USE_GATE)
-        sq1 += tl.sum(bq * bq, axis=1)
-        sk1 += tl.sum(bk * bk, axis=1)
-        lk = bk * tl.exp(G - e0[None, :])
-        lq = bq * tl.exp(G - e0[None, :])
-        R = bk * tl.exp(e0[None, :] - G)
-        A10 += _mm(lk, tl.trans(kt0), DOT_BF16)
-        Q10 += _mm(lq, tl.trans(kt0), DOT_BF16)
-        A11 += _mm(lk, tl.trans(R), DOT_BF16)
-        Q11 += _mm(lq, tl.trans(R), DOT_BF16)
-        kt1 = bk * tl.exp(e1[None, :] - G)
-        # sub-tile 2, reference e1
-        bq, bk, G, e2 = _ks_sub(q, k, g, rows2, m2, i_h, o_c, a_h, bias, lower_bound, e1, H, K, BS, USE_GATE)
-        sq2 += tl.sum(bq * bq, axis=1)
-        sk2 += tl.sum(bk * bk, axis=1)
-        lk = bk * tl.exp(G - e1[None, :])
-        lq = bq * tl.exp(G - e1[None, :])
-        R = kt0 * tl.exp(e1 - e0)[None, :]
-        A20 += _mm(lk, tl.trans(R), DOT_BF16)
-        Q20 += _mm(lq, tl.trans(R), DOT_BF16)
-        A21 += _mm(lk, tl.trans(kt1), DOT_BF16)
-        Q21 += _mm(lq, tl.trans(kt1), DOT_BF16)
-        R = bk * tl.exp(e1[None, :] - G)
-        A22 += _mm(lk, tl.trans(R), DOT_BF16)
-        Q22 += _mm(lq, tl.trans(R), DOT_BF16)
-        kt2 = bk * tl.exp(e2[None, :] - G)
-        # sub-tile 3, reference e2
-        bq, bk, G, e3 = _ks_sub(q, k, g, rows3, m3, i_h, o_c, a_h, bias, lower_bound, e2, H, K, BS, USE_GATE)
-        sq3 += tl.sum(bq * bq, axis=1)
-        sk3 += tl.sum(bk * bk, axis=1)
-        lk = bk * tl.exp(G - e2[None, :])
-        lq = bq * tl.exp(G - e2[None, :])
-        R = kt0 * tl.exp(e2 - e0)[None, :]
-        A30 += _mm(lk, tl.trans(R), DOT_BF16)
-        Q30 += _mm(lq, tl.trans(R), DOT_BF16)
-        R = kt1 * tl.exp(e2 - e1)[None, :]
-        A31 += _mm(lk, tl.trans(R), DOT_BF16)
-        Q31 += _mm(lq, tl.trans(R), DOT_BF16)
-        A32 += _mm(lk, tl.trans(kt2), DOT_BF16)
-        Q32 += _mm(lq, tl.trans(kt2), DOT_BF16)
-        R = bk * tl.exp(e2[None, :] - G)
-        A33 += _mm(lk, tl.trans(R), DOT_BF16)
-        Q33 += _mm(lq, tl.trans(R), DOT_BF16)
+        # sub-tile i against its own rows (R) and earlier sub-tiles j (kt_j, rescaled to the reference e_{i-1})
+        lk, lq, R, kt0, e0, s_q, s_k = _ks_left(q, k, g, rows0, m0, i_h, o_c, a_h, bias, lower_bound, zc,
+                                                H, K, BS, USE_GATE)
+        sq0 += s_q
+        sk0 += s_k
+        A00, Q00 = _acc2(A00, Q00, lk, lq, R, DOT_BF16)
+        lk, lq, R, kt1, e1, s_q, s_k = _ks_left(q, k, g, rows1, m1, i_h, o_c, a_h, bias, lower_bound, e0,
+                                                H, K, BS, USE_GATE)
+        sq1 += s_q
+        sk1 += s_k
+        A10, Q10 = _acc2(A10, Q10, lk, lq, kt0, DOT_BF16)
+        A11, Q11 = _acc2(A11, Q11, lk, lq, R, DOT_BF16)
+        lk, lq, R, kt2, e2, s_q, s_k = _ks_left(q, k, g, rows2, m2, i_h, o_c, a_h, bias, lower_bound, e1,
+                                                H, K, BS, USE_GATE)
+        sq2 += s_q
+        sk2 += s_k
+        A20, Q20 = _acc2(A20, Q20, lk, lq, kt0 * tl.exp(e1 - e0)[None, :], DOT_BF16)
+        A21, Q21 = _acc2(A21, Q21, lk, lq, kt1, DOT_BF16)
+        A22, Q22 = _acc2(A22, Q22, lk, lq, R, DOT_BF16)
+        lk, lq, R, kt3, e3, s_q, s_k = _ks_left(q, k, g, rows3, m3, i_h, o_c, a_h, bias, lower_bound, e2,
+                                                H, K, BS, USE_GATE)
+        sq3 += s_q
+        sk3 += s_k
+        A30, Q30 = _acc2(A30, Q30, lk, lq, kt0 * tl.exp(e2 - e0)[None, :], DOT_BF16)
+        A31, Q31 = _acc2(A31, Q31, lk, lq, kt1 * tl.exp(e2 - e1)[None, :], DOT_BF16)
+        A32, Q32 = _acc2(A32, Q32, lk, lq, kt2, DOT_BF16)
+        A33, Q33 = _acc2(A33, Q33, lk, lq, R, DOT_BF16)
 
     # ---- between the sweeps: normalise, store Aqk, build X by blocks
     rq0, rq1, rq2, rq3 = (_inv_norm(sq0, USE_L2NORM) * scale, _inv_norm(sq1, USE_L2NORM) * scale,
@@ -529,35 +537,21 @@ def _kda_chunk64_prep_kernel(
     # ---- sweep 2 over K: qg, kd, G_last, w = X diag(beta) (k e^G)
     for kk in range(0, K, BK):
         o_c = kk + tl.arange(0, BK)
-        if USE_GATE:
-            bias = tl.load(dt_bias + i_h * K + o_c).to(tl.float32)
-        else:
-            bias = tl.zeros([BK], dtype=tl.float32)
+        bias = _bias_cols(dt_bias, i_h, o_c, K, USE_GATE)
         zc = tl.zeros([BK], dtype=tl.float32)
-        bq, bk, G, e0 = _ks_sub(q, k, g, rows0, m0, i_h, o_c, a_h, bias, lower_bound, zc, H, K, BS, USE_GATE)
-        _store_rows(qg_buf, rows0, m0, i_h, bq * rq0[:, None] * tl.exp(G), H, K, BS, kk, BK)
-        bk = bk * rk0[:, None]
-        B0 = b0[:, None] * bk * tl.exp(G)
-        kt0 = bk * tl.exp(e0[None, :] - G)
-        bq, bk, G, e1 = _ks_sub(q, k, g, rows1, m1, i_h, o_c, a_h, bias, lower_bound, e0, H, K, BS, USE_GATE)
-        _store_rows(qg_buf, rows1, m1, i_h, bq * rq1[:, None] * tl.exp(G), H, K, BS, kk, BK)
-        bk = bk * rk1[:, None]
-        B1 = b1[:, None] * bk * tl.exp(G)
-        kt1 = bk * tl.exp(e1[None, :] - G)
-        bq, bk, G, e2 = _ks_sub(q, k, g, rows2, m2, i_h, o_c, a_h, bias, lower_bound, e1, H, K, BS, USE_GATE)
-        _store_rows(qg_buf, rows2, m2, i_h, bq * rq2[:, None] * tl.exp(G), H, K, BS, kk, BK)
-        bk = bk * rk2[:, None]
-        B2 = b2[:, None] * bk * tl.exp(G)
-        kt2 = bk * tl.exp(e2[None, :] - G)
-        bq, bk, G, e3 = _ks_sub(q, k, g, rows3, m3, i_h, o_c, a_h, bias, lower_bound, e2, H, K, BS, USE_GATE)
-        _store_rows(qg_buf, rows3, m3, i_h, bq * rq3[:, None] * tl.exp(G), H, K, BS, kk, BK)
-        bk = bk * rk3[:, None]
-        B3 = b3[:, None] * bk * tl.exp(G)
+        B0, kt0, e0 = _ks_right(q, k, g, rows0, m0, i_h, o_c, a_h, bias, lower_bound, zc, rq0, rk0, b0, qg_buf, kk,
+                                H, K, BS, BK, USE_GATE)
+        B1, kt1, e1 = _ks_right(q, k, g, rows1, m1, i_h, o_c, a_h, bias, lower_bound, e0, rq1, rk1, b1, qg_buf, kk,
+                                H, K, BS, BK, USE_GATE)
+        B2, kt2, e2 = _ks_right(q, k, g, rows2, m2, i_h, o_c, a_h, bias, lower_bound, e1, rq2, rk2, b2, qg_buf, kk,
+                                H, K, BS, BK, USE_GATE)
+        B3, kt3, e3 = _ks_right(q, k, g, rows3, m3, i_h, o_c, a_h, bias, lower_bound, e2, rq3, rk3, b3, qg_buf, kk,
+                                H, K, BS, BK, USE_GATE)
         # kd_j = k_j e^{G_last - G_j} = kt_j e^{e3 - e_j}: both exponents <= 0
         _store_rows(kd_buf, rows0, m0, i_h, kt0 * tl.exp(e3 - e0)[None, :], H, K, BS, kk, BK)
         _store_rows(kd_buf, rows1, m1, i_h, kt1 * tl.exp(e3 - e1)[None, :], H, K, BS, kk, BK)
         _store_rows(kd_buf, rows2, m2, i_h, kt2 * tl.exp(e3 - e2)[None, :], H, K, BS, kk, BK)
-        _store_rows(kd_buf, rows3, m3, i_h, bk * tl.exp(e3[None, :] - G), H, K, BS, kk, BK)
+        _store_rows(kd_buf, rows3, m3, i_h, kt3, H, K, BS, kk, BK)
         tl.store(gl_buf + (i_c * H + i_h).to(tl.int64) * K + o_c, e3)
         _store_rows(w_buf, rows0, m0, i_h, _mm64(X00, B0, WU_DOT), H, K, BS, kk, BK)
         _store_rows(w_buf, rows1, m1, i_h, _mm64(X10, B0, WU_DOT) + _mm64(X11, B1, WU_DOT), H, K, BS, kk, BK)
