@@ -171,8 +171,8 @@ def sweep(args, E, k, D, I, dev, fp4, gate_up, down):
                 print(f"| {N} | {fmt} | **best: {name}** | **{ms:.3f}** | {wbytes / ms / 1e6:.0f} | "
                       f"{flops / ms / 1e9:.1f} | {peer / ms:.2f}x | | **best** |", flush=True)
         gbs = touched * 3 * D * I * 2 / peer / 1e6
-        print(f"| {N} | bf16 | torch._grouped_mm (for scale) | {peer:.3f} | {gbs:.0f} | {flops / peer / 1e9:.1f} | 1.00x | | |",
-              flush=True)
+        print(f"| {N} | bf16 | torch._grouped_mm (for scale) | {peer:.3f} | {gbs:.0f} | {flops / peer / 1e9:.1f} "
+              "| 1.00x | | |", flush=True)
 
 
 def main():

@@ -737,10 +737,11 @@ def chunk_kda_fwd(
     final state moves 4.2e-3 (relative, max norm) from the tf32 16-token path's, o 5.5e-3; fla's chunk_kda, with
     bf16 state products too, measured 4.0e-3 / 5.3e-3 from the fp32 reference in the same kind of check.
 
-    ``chunk_size=16`` with ``split=True``: the 16-token kernel (tf32 state products, fp32 buffers). ``split=True``: w, u0 are first computed for all chunks in
-    parallel (``_kda_chunk_prep_kernel``; w in q.dtype, u0 in fp32 because bf16 u0 cost ~6e-3 relative error
-    in the final state; ~1.5 KB per token-head of extra traffic at K = V = 128), then the sequential kernel
-    only does the state products; ``split=False`` computes them inside the sequential loop.
+    ``chunk_size=16`` with ``split=True``: the 16-token kernel (tf32 state products, fp32 buffers).
+    ``split=True``: w, u0 are first computed for all chunks in parallel (``_kda_chunk_prep_kernel``; w in
+    q.dtype, u0 in fp32 because bf16 u0 cost ~6e-3 relative error in the final state; ~1.5 KB per token-head
+    of extra traffic at K = V = 128), then the sequential kernel only does the state products; ``split=False``
+    computes them inside the sequential loop.
     """
     if chunk_size not in (16, 64):
         raise ValueError(f"chunk_size must be 16 or 64, got {chunk_size}")
@@ -1138,9 +1139,9 @@ def chunk_kda(
     A_log [>= H], dt_bias [H*K]); beta: [B, T, H] (raw logits when ``use_beta_sigmoid_in_kernel``).
     initial_state: [N, H, K, V]. Returns (o [B, T, H, V] in v.dtype, final_state fp32 [N, H, K, V] or None).
 
-    Forward: :func:`chunk_kda_fwd` with its defaults (16-token split kernel). Backward: the Triton core backward
-    of ``triton_chunk_bwd`` (through the in-kernel gate / beta / L2-norm preprocessing as well); the
-    fp32 reference recompute is kept selectable (see the module docstring). ``output`` ("fused" or "stored")
+    Forward: :func:`chunk_kda_fwd` with its defaults (64-token chunks, bf16 state products). Backward: the
+    Triton core backward of ``triton_chunk_bwd`` (through the in-kernel gate / beta / L2-norm preprocessing as
+    well); the fp32 reference recompute is kept selectable (see the module docstring). ``output`` ("fused" or "stored")
     and ``forward_options`` (other keyword arguments of :func:`chunk_kda_fwd`, e.g. ``chunk_size``,
     ``block_v``) only change the forward kernels; the backward is the same.
     """

@@ -66,9 +66,9 @@ products are exact fp32 ("ieee") for fp32 inputs and tf32 for bf16 inputs, excep
 
 Registers (compiled ahead of time for sm_90a with triton 3.6, ptxas -v, K = V = 128, tf32): the sequential
 kernels at block_v = 32 and 4 warps spill <= 80 bytes; the per-chunk kernel at chunk_block_v = 16 and 8 warps
-spills nothing, with 4 warps ~0.5-1 KB, yet 32 / 4 warps / 1 stage is the fastest measured (fewer, larger V steps
-and more programs resident per SM outweigh the spill traffic). The fp32-input ("ieee") variants spill more; they serve fp32 training and the
-tests, not the bf16 fast path. Timings on an H200: benchmarks/kda_chunk_bwd.py.
+spills nothing, with 4 warps ~0.5-1 KB, yet 32 / 4 warps / 1 stage is the fastest measured (fewer, larger V
+steps and more programs resident per SM outweigh the spill traffic). The fp32-input ("ieee") variants spill
+more; they serve fp32 training and the tests, not the bf16 fast path. Timings on an H200: benchmarks/kda_chunk_bwd.py.
 """
 
 from __future__ import annotations

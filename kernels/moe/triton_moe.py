@@ -173,8 +173,8 @@ def _align(top_idx: torch.Tensor, num_experts: int, block_m: int):
     return sorted_ids, block_expert, total
 
 
-# Launch defaults per (regime, weight format: "mxfp4" or "dense" bf16 / fp16), the one place to drop a GPU sweep's winner in
-# (`benchmarks/moe.py --sweep`). Decode (N * top_k <= 4 E: about a handful of rows per touched expert) is bound by the
+# Launch defaults per (regime, weight format: "mxfp4" or "dense" bf16 / fp16), the one place to drop a GPU sweep's
+# winner in (`benchmarks/moe.py --sweep`). Decode (N * top_k <= 4 E: about a handful of rows per touched expert) is bound by the
 # expert-weight bytes (bf16) or by the in-register unpack (MXFP4), so small row tiles; prefill reuses each weight tile
 # over many rows. Values: the sweep's best on the H200 at K3 shapes (BENCHMARKS.md, fifth session; triton 3.6):
 # decode 64 tokens MXFP4 7.12 ms (the old 64x64 tile stayed best: wider K tiles or 8 warps only add unpack latency),
