@@ -884,7 +884,8 @@ def _chunk64_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, lo
     u_buf = torch.empty(B, T, H, V, dtype=torch.float32, device=dev)
     gl_buf = torch.empty(max(n_chunks, 1), H, K, dtype=torch.float32, device=dev)
     bf16 = q.dtype == torch.bfloat16
-    # products inside the prep (A_ij y_j, X_ii rhs): exact fp32 for fp32 inputs, tf32 for bf16 inputs
+    # products inside the prep (the UT inverse's blocks, X times w's and u0's right-hand sides): exact fp32 for fp32
+    # inputs, tf32 for bf16 inputs
     wu_dot = (4 if interp else 3) if bf16 else 0
     if not bf16:
         st_dot = 0

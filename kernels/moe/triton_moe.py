@@ -12,7 +12,8 @@ The (token, slot) assignments are sorted by expert and each expert's run is padd
    torch sums the k rows of each token afterwards (one more pass over `N * top_k * D * 4` bytes).
 
 Tiles and launch options are tunable (`config=`, see `moe_experts_triton` and `_DEFAULT_CONFIGS`) so a GPU sweep
-(`benchmarks/moe.py --sweep`) can pick them; the defaults per regime (decode vs prefill) live in one dict.
+(`benchmarks/moe.py --sweep`) can pick them; the defaults per regime (decode vs prefill) and weight format live in
+one dict.
 
 MXFP4 weights stay packed in memory (uint8 E2M1 pairs plus one E8M0 byte per 32 inputs, the release layout) and
 are unpacked in registers right before `tl.dot`: the kernel moves ~4.25 bits a weight instead of 16, which is
@@ -174,10 +175,10 @@ def _align(top_idx: torch.Tensor, num_experts: int, block_m: int):
 
 
 # Launch defaults per (regime, weight format: "mxfp4" or "dense" bf16 / fp16), the one place to drop a GPU sweep's
-# winner in (`benchmarks/moe.py --sweep`). Decode (N * top_k <= 4 E: about a handful of rows per touched expert) is bound by the
-# expert-weight bytes (bf16) or by the in-register unpack (MXFP4), so small row tiles; prefill reuses each weight tile
-# over many rows. Values: the sweep's best on the H200 at K3 shapes (BENCHMARKS.md, fifth session; triton 3.6):
-# decode 64 tokens MXFP4 7.12 ms (the old 64x64 tile stayed best: wider K tiles or 8 warps only add unpack latency),
+# winner in (`benchmarks/moe.py --sweep`). Decode (N * top_k <= 4 E: about a handful of rows per touched expert) is
+# bound by the expert-weight bytes (bf16) or by the in-register unpack (MXFP4), so small row tiles; prefill reuses
+# each weight tile over many rows. Values: the sweep's best on the H200 at K3 shapes (BENCHMARKS.md, fifth session;
+# triton 3.6): decode 64 tokens MXFP4 7.12 ms (the old 64x64 tile stayed best: wider K tiles or 8 warps only add unpack latency),
 # bf16 9.90 ms with 128x128 tiles over 8 warps (11.00 with 64x64); prefill 8192 tokens bf16 34.2 ms (254 TFLOP/s,
 # 43.6 with 64x64 over 4 warps), MXFP4 50.7 ms (within 2 % of the old default). BLOCK_N is clamped to the output
 # width's next power of two (tiny models); the MXFP4 BLOCK_K default falls back to 32 where 64 does not divide the
@@ -198,8 +199,12 @@ _KERNEL_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 _REDUCES = ("atomic", "sorted")
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _is_pow2_tile(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 16 and v & (v - 1) == 0
+    return _is_int(v) and v >= 16 and v & (v - 1) == 0
 
 
 def _resolve_config(config, block_m, *, decode: bool, fp4: bool, D: int, I: int) -> dict:
@@ -243,9 +248,9 @@ def _resolve_config(config, block_m, *, decode: bool, fp4: bool, D: int, I: int)
             raise ValueError(f"config[{kern!r}]['BLOCK_K'] = {kc['BLOCK_K']} must be a multiple of 32 dividing the "
                              f"MXFP4 K width {k_name}={K}")
         nw = kc["num_warps"]
-        if not isinstance(nw, int) or isinstance(nw, bool) or nw not in (1, 2, 4, 8):
+        if not _is_int(nw) or nw not in (1, 2, 4, 8):
             raise ValueError(f"config[{kern!r}]['num_warps'] must be 1, 2, 4 or 8, got {nw!r}")
-        if not isinstance(kc["num_stages"], int) or isinstance(kc["num_stages"], bool) or kc["num_stages"] < 1:
+        if not _is_int(kc["num_stages"]) or kc["num_stages"] < 1:
             raise ValueError(f"config[{kern!r}]['num_stages'] must be an int >= 1, got {kc['num_stages']!r}")
         out[kern] = kc
     return out
