@@ -178,9 +178,9 @@ def _align(top_idx: torch.Tensor, num_experts: int, block_m: int):
 # winner in (`benchmarks/moe.py --sweep`). Decode (N * top_k <= 4 E: about a handful of rows per touched expert) is
 # bound by the expert-weight bytes (bf16) or by the in-register unpack (MXFP4), so small row tiles; prefill reuses
 # each weight tile over many rows. Values: the sweep's best on the H200 at K3 shapes (BENCHMARKS.md, fifth session;
-# triton 3.6): decode 64 tokens MXFP4 7.12 ms (the old 64x64 tile stayed best: wider K tiles or 8 warps only add unpack latency),
-# bf16 9.90 ms with 128x128 tiles over 8 warps (11.00 with 64x64); prefill 8192 tokens bf16 34.2 ms (254 TFLOP/s,
-# 43.6 with 64x64 over 4 warps), MXFP4 50.7 ms (within 2 % of the old default). BLOCK_N is clamped to the output
+# triton 3.6): decode 64 tokens MXFP4 7.12 ms (the old 64x64 tile stayed best: wider K tiles or 8 warps only add
+# unpack latency), bf16 9.90 ms with 128x128 tiles over 8 warps (11.00 with 64x64); prefill 8192 tokens bf16 34.2 ms
+# (254 TFLOP/s, 43.6 with 64x64 over 4 warps), MXFP4 50.7 ms (within 2 % of the old default). BLOCK_N is clamped to the output
 # width's next power of two (tiny models); the MXFP4 BLOCK_K default falls back to 32 where 64 does not divide the
 # K width.
 def _tiles(block_m, bn, bk, warps, stages):
