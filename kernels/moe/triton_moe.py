@@ -180,9 +180,9 @@ def _align(top_idx: torch.Tensor, num_experts: int, block_m: int):
 # each weight tile over many rows. Values: the sweep's best on the H200 at K3 shapes (BENCHMARKS.md, fifth session;
 # triton 3.6): decode 64 tokens MXFP4 7.12 ms (the old 64x64 tile stayed best: wider K tiles or 8 warps only add
 # unpack latency), bf16 9.90 ms with 128x128 tiles over 8 warps (11.00 with 64x64); prefill 8192 tokens bf16 34.2 ms
-# (254 TFLOP/s, 43.6 with 64x64 over 4 warps), MXFP4 50.7 ms (within 2 % of the old default). BLOCK_N is clamped to the output
-# width's next power of two (tiny models); the MXFP4 BLOCK_K default falls back to 32 where 64 does not divide the
-# K width.
+# (254 TFLOP/s, 43.6 with 64x64 over 4 warps), MXFP4 50.7 ms (within 2 % of the old default). BLOCK_N is clamped
+# to the output width's next power of two (tiny models); the MXFP4 BLOCK_K default falls back to 32 where 64 does
+# not divide the K width.
 def _tiles(block_m, bn, bk, warps, stages):
     kern = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
     return {"block_m": block_m, "reduce": "atomic", "gate_up": dict(kern), "down": dict(kern)}
