@@ -191,6 +191,18 @@ def _attnres_cases():
             yield f"attnres {variant} {dtype}", lambda: attn_res_triton(v, q, nw, variant=variant).float().sum().backward()
 
 
+def _fused_cases():
+    from k3_kernels.gated_norm.triton_gated_norm import gated_rms_norm_triton
+    from k3_kernels.short_conv.triton_conv import causal_conv1d_step
+
+    for dtype in (torch.bfloat16, torch.float32):  # K3's decode shapes: H * K = 12288 channels, width 4, K = 128
+        x = torch.zeros(2, 1, 12288, dtype=dtype)
+        yield f"short conv step {dtype}", lambda: causal_conv1d_step(x, torch.zeros(12288, 1, 4),
+                                                                     torch.zeros(2, 12288, 3))
+        o = torch.zeros(2, 1, 96, 128, dtype=dtype)
+        yield f"gated norm {dtype}", lambda: gated_rms_norm_triton(o, o, torch.ones(128), 1e-5)
+
+
 def _launched_kernels() -> set[str]:
     """Names launched as `name[grid](...)` in the kernel sources: what the cases must reach."""
     root = Path(__file__).resolve().parents[1] / "kernels"
@@ -207,7 +219,7 @@ def main() -> int:
     print(f"triton {triton.__version__} ({Path(triton.__file__).parent}), target {TARGET}")
     JITFunction.run = _compile_instead_of_launch
     case_errors = []
-    for cases in (_moe_cases, _kda_cases, _mla_cases, _attnres_cases):
+    for cases in (_moe_cases, _kda_cases, _mla_cases, _attnres_cases, _fused_cases):
         try:
             for name, fn in cases():
                 _current_case[0] = name

@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 
+import torch
+
 from .kda import reference as kda_reference
 from .short_conv import reference as conv_reference
 
@@ -97,8 +99,49 @@ def kda_ops(backend: str, device_type: str, head_dim: int | None = None):
     return kda_reference.chunk_kda, kda_reference.fused_recurrent_kda
 
 
-def causal_conv1d(*args, **kwargs):
-    return conv_reference.causal_conv1d(*args, **kwargs)
+def _fused_inference(backend: str, device_type: str, *tensors) -> bool:
+    """Whether the KDA layer's fused inference kernels (the short-conv step, the gated output norm) run.
+
+    They follow the layer's `kda_backend`: "triton" (CUDA, Triton installed, else raises as `kda_ops` does) and
+    "auto" (CUDA with Triton; without Triton the torch path, warned once by `kda_ops`); "torch" and "fla" keep
+    the torch path. They have no backward, so a call that needs gradients runs the torch path under every backend.
+    """
+    if backend not in ("triton", "auto"):
+        return False
+    if backend == "triton" and (device_type != "cuda" or not _triton_available()):
+        raise RuntimeError(
+            f"kda_backend='triton' needs CUDA tensors and Triton (got device type {device_type!r}); "
+            "use kda_backend='torch' or 'auto'."
+        )
+    if device_type != "cuda" or not _triton_available():
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+
+
+def causal_conv1d(x, weight, initial_state=None, output_final_state=False, cu_seqlens=None, activation="silu",
+                  backend: str = "torch"):
+    """The KDA short conv: the Triton decode step (`short_conv.triton_conv`) for a few cached tokens (T <= 16,
+    no varlen) when `_fused_inference` allows, else the torch reference (prefill: cuDNN's conv1d)."""
+    if (initial_state is not None and cu_seqlens is None and x.dim() == 3 and x.shape[1] <= 16
+            and _fused_inference(backend, x.device.type, x, weight, initial_state)):
+        from .short_conv.triton_conv import causal_conv1d_step
+
+        y, state = causal_conv1d_step(x, weight, initial_state, activation=activation)
+        return y, (state if output_final_state else None)
+    return conv_reference.causal_conv1d(x, weight, initial_state=initial_state, output_final_state=output_final_state,
+                                        cu_seqlens=cu_seqlens, activation=activation)
+
+
+def gated_rms_norm(o, gate, weight, eps, backend: str = "torch"):
+    """KDA's output `sigmoid(gate) * RMSNorm(o)`: one Triton launch when `_fused_inference` allows, else the
+    torch reference (`gated_norm.reference`)."""
+    from .gated_norm import reference as gated_norm_reference
+
+    if _fused_inference(backend, o.device.type, o, gate, weight):
+        from .gated_norm.triton_gated_norm import gated_rms_norm_triton
+
+        return gated_rms_norm_triton(o, gate, weight, eps)
+    return gated_norm_reference.gated_rms_norm(o, gate, weight, eps)
 
 
 def attn_res(candidates, query_weight, norm_weight, eps):

@@ -105,6 +105,8 @@ def _gate_up_situ(
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e, rows, assign, valid, token = _row_tile(SORTED, BLOCK_EXPERT, pid_m, num_assign, top_k, BLOCK_M)
+    if e < 0:  # a tile past the real ones: `_align` bounds the grid without a host sync
+        return
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -134,6 +136,8 @@ def _down(
     """OUT: `[N, D]` fp32 accumulated atomically, or with REDUCE_SORTED `[N * top_k, D]` fp32 written once a row."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e, rows, assign, valid, token = _row_tile(SORTED, BLOCK_EXPERT, pid_m, num_assign, top_k, BLOCK_M)
+    if e < 0:  # a tile past the real ones: `_align` bounds the grid without a host sync
+        return
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output (latent) channels
     rows64 = rows.to(tl.int64)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -155,23 +159,28 @@ def _down(
 
 
 def _align(top_idx: torch.Tensor, num_experts: int, block_m: int):
-    """Assignments sorted by expert, each expert's run padded to block_m; pad entries hold `num_assign`."""
+    """Assignments sorted by expert, each expert's run padded to block_m; pad entries hold `num_assign`.
+
+    Without a host sync (decode calls this once per MoE layer and step, and a sync there serialises the CPU's
+    launches with the GPU's work): the grid is the bound `cdiv(A, block_m) + min(E, A)` on the row tiles (each
+    touched expert adds at most one partial tile), and the tiles past the real ones get expert -1, which the
+    kernels skip. Returns (sorted_ids [tiles * block_m] int32, block_expert [tiles] int32, tiles).
+    """
     flat = top_idx.reshape(-1)
     A = flat.numel()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
-    start = torch.cumsum(counts, 0) - counts
-    pstart = torch.cumsum(padded, 0) - padded
+    end = torch.cumsum(padded, 0)  # padded run of expert e: [end[e] - padded[e], end[e])
     e_sorted = flat[order]
-    rank = torch.arange(A, device=flat.device) - start[e_sorted]
-    total = int(padded.sum())  # one host sync: the grid size
-    sorted_ids = torch.full((total,), A, dtype=torch.int32, device=flat.device)
-    sorted_ids[pstart[e_sorted] + rank] = order.to(torch.int32)
-    block_expert = torch.repeat_interleave(
-        torch.arange(num_experts, device=flat.device, dtype=torch.int32), padded // block_m
-    )
-    return sorted_ids, block_expert, total
+    rank = torch.arange(A, device=flat.device) - (torch.cumsum(counts, 0) - counts)[e_sorted]
+    tiles = triton.cdiv(A, block_m) + min(num_experts, A)
+    sorted_ids = torch.full((tiles * block_m,), A, dtype=torch.int32, device=flat.device)
+    sorted_ids[(end - padded)[e_sorted] + rank] = order.to(torch.int32)
+    tile_start = torch.arange(tiles, device=flat.device) * block_m
+    block_expert = torch.searchsorted(end, tile_start, right=True)  # the run holding the tile; E past the last
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_ids, block_expert, tiles
 
 
 # Launch defaults per (regime, weight format: "mxfp4" or "dense" bf16 / fp16), the one place to drop a GPU sweep's
@@ -296,19 +305,19 @@ def moe_experts_triton(
     if N == 0:
         return torch.zeros((0, D), device=x.device, dtype=x.dtype)
     bm, c1, c2 = cfg["block_m"], cfg["gate_up"], cfg["down"]
-    sorted_ids, block_expert, total = _align(top_idx, E, bm)
-    hbuf = torch.empty((total, I), device=x.device, dtype=torch.bfloat16)
+    sorted_ids, block_expert, tiles = _align(top_idx, E, bm)
+    hbuf = torch.empty((tiles * bm, I), device=x.device, dtype=torch.bfloat16)
     reduce_sorted = cfg["reduce"] == "sorted"
     # sorted: every [N * k, D] row is written once by `_down` (empty is fine); atomic: the adds need zeros.
     out = (torch.empty if reduce_sorted else torch.zeros)((N * k if reduce_sorted else N, D), device=x.device,
                                                           dtype=torch.float32)
     x = x.contiguous()
-    _gate_up_situ[(total // bm, triton.cdiv(I, c1["BLOCK_N"]))](
+    _gate_up_situ[(tiles, triton.cdiv(I, c1["BLOCK_N"]))](
         x, W1, S1, hbuf, sorted_ids, block_expert, N * k, k, D, I, beta, linear_beta,
         FP4=fp4, BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], DOT_F32=_DOT_F32,
         num_warps=c1["num_warps"], num_stages=c1["num_stages"],
     )
-    _down[(total // bm, triton.cdiv(D, c2["BLOCK_N"]))](
+    _down[(tiles, triton.cdiv(D, c2["BLOCK_N"]))](
         hbuf, W2, S2, out, sorted_ids, block_expert, top_w.reshape(-1).float().contiguous(), N * k, k, D, I,
         FP4=fp4, BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], DOT_F32=_DOT_F32,
         REDUCE_SORTED=reduce_sorted, num_warps=c2["num_warps"], num_stages=c2["num_stages"],

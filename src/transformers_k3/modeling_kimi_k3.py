@@ -139,7 +139,8 @@ class KimiK3DeltaAttention(nn.Module):
                 )
             px = proj(x)  # [B, T, H*K]
             y, s = dispatch.causal_conv1d(
-                px, conv.weight, initial_state=state, output_final_state=want_state, cu_seqlens=cu_seqlens
+                px, conv.weight, initial_state=state, output_final_state=want_state, cu_seqlens=cu_seqlens,
+                backend=self.config.kda_backend,
             )
             qkv.append(y.view(B, T, H, K))  # [B, T, H, K]
             new_conv.append(s)
@@ -175,9 +176,13 @@ class KimiK3DeltaAttention(nn.Module):
             o = torch.cat([head, o], dim=1)  # [B, T, H, V]
         if cache is not None:
             cache.update_kda_state(self.layer_idx, tuple(new_conv), final)
-        o = self.o_norm(o.float()).to(x.dtype)  # per-head RMSNorm in fp32 with the fp32 weight
-        gate = torch.sigmoid(self.g_proj(x)).view(B, T, H, K)
-        return self.o_proj((gate * o).reshape(B, T, H * K))
+        gate = self.g_proj(x).view(B, T, H, K)
+        if type(self.o_norm) is KimiK3RMSNorm:  # per-head RMSNorm in fp32 with the fp32 weight, then the gate
+            o = dispatch.gated_rms_norm(o, gate, self.o_norm.weight, self.o_norm.variance_epsilon,
+                                        backend=self.config.kda_backend)
+        else:  # a replaced norm module keeps its own forward
+            o = torch.sigmoid(gate) * self.o_norm(o.float()).to(x.dtype)
+        return self.o_proj(o.reshape(B, T, H * K))
 
     @staticmethod
     def _recurrence(ops, q, k, v, g, beta, recurrent, want_state, cu_seqlens):
@@ -739,7 +744,9 @@ def _attention_inputs(attention_mask, position_ids, batch, length, past, device,
                 f"got {list(attention_mask.shape)}"
             )
         valid = attention_mask.bool()
-        if not bool(valid.all()):
+        # Decode applies the masks unchecked: the all-valid test is a host sync, which in a decode step would hold
+        # the CPU's launches until the GPU is idle; prefill keeps it (an all-valid prompt keeps SDPA's causal path).
+        if length == 1 or not bool(valid.all()):
             mask = mask & valid[:, None, None, :]
             pad_mask = valid[:, past:].float()
     segments = None
@@ -760,8 +767,7 @@ def _attention_inputs(attention_mask, position_ids, batch, length, past, device,
         segments = seg_ids.cumsum(0).view(batch, length)
         mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])
     # A query with no visible key (left padding) would give NaN; let it see itself. Its output is never used.
-    diag = torch.zeros(length, total, dtype=torch.bool, device=device)
-    diag[torch.arange(length), q_pos] = True
+    diag = k_pos[None, :] == q_pos[:, None]  # [T, past + T]
     return mask | diag, pad_mask, cu_seqlens
 
 

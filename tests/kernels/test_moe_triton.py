@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from k3_kernels.moe.triton_moe import _fp4_dot, moe_experts_triton  # noqa: E402
+from k3_kernels.moe.triton_moe import _align, _fp4_dot, moe_experts_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -38,6 +38,30 @@ def _routing(N, E, k, g):
     scores[:, 0] += 0.5  # a hot expert: its run spans several row tiles
     top_w, top_idx = scores.topk(k, dim=-1)
     return top_idx.to(DEVICE), (top_w / top_w.sum(-1, keepdim=True)).to(DEVICE)
+
+
+@pytest.mark.parametrize("N,E,k,block_m", [(1, 8, 2, 16), (37, 8, 3, 16), (300, 5, 2, 64), (4, 896, 16, 16)])
+def test_align_tiles(N, E, k, block_m):
+    """`_align` without a host sync: every assignment once, each real tile holds only its expert's assignments
+    (then pads), the grid's spare tiles (expert -1) come after the real ones and hold only pads."""
+    g = torch.Generator().manual_seed(N * E)
+    top_idx = torch.rand(N, E, generator=g).topk(k, dim=-1).indices.to(DEVICE)
+    sorted_ids, block_expert, tiles = _align(top_idx, E, block_m)
+    A = N * k
+    assert tiles == triton.cdiv(A, block_m) + min(E, A)
+    assert sorted_ids.shape == (tiles * block_m,) and block_expert.shape == (tiles,)
+    ids, be, flat = sorted_ids.cpu().long(), block_expert.cpu().long(), top_idx.reshape(-1).cpu()
+    real = ids[ids < A]
+    assert torch.equal(real.sort().values, torch.arange(A))  # each assignment exactly once
+    assert (ids[ids >= A] == A).all()  # pads hold num_assign
+    n_real = int((be >= 0).sum())
+    assert (be[:n_real] >= 0).all() and (be[n_real:] == -1).all()
+    assert (ids.view(tiles, block_m)[n_real:] == A).all()
+    counts = torch.bincount(flat, minlength=E)
+    assert n_real == int(((counts + block_m - 1) // block_m).sum())
+    for t in range(n_real):
+        row = ids.view(tiles, block_m)[t]
+        assert (flat[row[row < A]] == be[t]).all()
 
 
 @pytest.mark.parametrize("N,E,k,D,I,block_m", [(1, 4, 2, 64, 32, 16), (37, 8, 3, 96, 64, 16), (70, 5, 2, 64, 96, 64)])
