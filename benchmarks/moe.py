@@ -7,7 +7,7 @@ per-expert Python loop (transformers' eager). Each is checked against the fp32 r
 first. Decode is bandwidth-bound: the ceiling is the bytes of the touched experts at 4.27 TB/s (each path is
 charged its own weight bytes: 2 a weight in bf16, 17/32 in MXFP4); prefill (8192 tokens) is compute-bound:
 TFLOP/s against the measured ~790 bf16 dense (notes/performance.md; 989 is the spec sheet). Timed eagerly with
-`triton.testing.do_bench` (the kernel's `_align` syncs once for its grid, so no CUDA graph); the weights (~75 GB
+`triton.testing.do_bench` (the `grouped_mm` peer syncs on its counts, so no CUDA graph); the weights (~75 GB
 in all) are far bigger than L2, so nothing is served from cache. Last line: MXFP4 vs `torch._grouped_mm` at 64
 tokens (target >= 3x: the 3.76x fewer weight bytes, less the unpack work).
 
