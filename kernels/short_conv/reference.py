@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_conv1d"]
+__all__ = ["causal_conv1d", "check_conv_args"]
 
 
 def _conv_core(x, w, state, activation):
@@ -19,6 +19,20 @@ def _conv_core(x, w, state, activation):
         y = F.silu(y)
     new_state = full[..., full.shape[-1] - (W - 1) :] if W > 1 else full[..., :0]
     return y, new_state
+
+
+def check_conv_args(x: torch.Tensor, weight: torch.Tensor, activation):
+    """Validate x `[B, T, D]`, weight `[D, W]` or `[D, 1, W]` and the activation; returns ((B, T, D), weight `[D, W]`)."""
+    if x.dim() != 3:
+        raise ValueError(f"x must be [B, T, D], got {tuple(x.shape)}")
+    B, T, D = x.shape
+    if weight.dim() == 3 and weight.shape[1] == 1:
+        weight = weight[:, 0]
+    if weight.dim() != 2 or weight.shape[0] != D:
+        raise ValueError(f"weight must be [D, W] or [D, 1, W] with D = {D}, got {tuple(weight.shape)}")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+    return (B, T, D), weight
 
 
 def causal_conv1d(
@@ -36,15 +50,7 @@ def causal_conv1d(
     segments with cu_seqlens). Returns (y [B, T, D] in x.dtype, final_state fp32
     [N, D, W-1] or None). With cu_seqlens (B must be 1) segments do not leak.
     """
-    if x.dim() != 3:
-        raise ValueError(f"x must be [B, T, D], got {tuple(x.shape)}")
-    B, T, D = x.shape
-    if weight.dim() == 3 and weight.shape[1] == 1:
-        weight = weight[:, 0]
-    if weight.dim() != 2 or weight.shape[0] != D:
-        raise ValueError(f"weight must be [D, W] or [D, 1, W] with D = {D}, got {tuple(weight.shape)}")
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+    (B, T, D), weight = check_conv_args(x, weight, activation)
     W = weight.shape[-1]
     w = weight.float()
     if cu_seqlens is not None:

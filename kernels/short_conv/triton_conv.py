@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import check_conv_args
+
 __all__ = ["causal_conv1d_step"]
 
 
@@ -49,15 +51,7 @@ def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, initial_state: tor
     """`reference.causal_conv1d(x, weight, initial_state, output_final_state=True, activation=...)` for a few
     tokens: x `[B, T, D]`, weight `[D, W]` or `[D, 1, W]`, initial_state `[B, D, W-1]` (zeros if None).
     Returns (y `[B, T, D]` in x.dtype, final state `[B, D, W-1]` fp32)."""
-    if x.dim() != 3:
-        raise ValueError(f"x must be [B, T, D], got {tuple(x.shape)}")
-    B, T, D = x.shape
-    if weight.dim() == 3 and weight.shape[1] == 1:
-        weight = weight[:, 0]
-    if weight.dim() != 2 or weight.shape[0] != D:
-        raise ValueError(f"weight must be [D, W] or [D, 1, W] with D = {D}, got {tuple(weight.shape)}")
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+    (B, T, D), weight = check_conv_args(x, weight, activation)
     W = weight.shape[-1]
     if W < 2:
         raise ValueError(f"causal_conv1d_step needs a kernel width >= 2 (a state), got {W}")
