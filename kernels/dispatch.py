@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from .gated_norm import reference as gated_norm_reference
 from .kda import reference as kda_reference
 from .short_conv import reference as conv_reference
 
@@ -135,8 +136,6 @@ def causal_conv1d(x, weight, initial_state=None, output_final_state=False, cu_se
 def gated_rms_norm(o, gate, weight, eps, backend: str = "torch"):
     """KDA's output `sigmoid(gate) * RMSNorm(o)`: one Triton launch when `_fused_inference` allows, else the
     torch reference (`gated_norm.reference`)."""
-    from .gated_norm import reference as gated_norm_reference
-
     if _fused_inference(backend, o.device.type, o, gate, weight):
         from .gated_norm.triton_gated_norm import gated_rms_norm_triton
 
