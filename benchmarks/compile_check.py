@@ -123,7 +123,9 @@ def _moe_cases():
     sweep = [c for regime in bench.SWEEP_CONFIGS.values() for c in regime if c is not None]
     for i, config in enumerate(extra + sweep):
         for fmt in ("mxfp4", "bf16"):
-            yield f"moe {fmt} K3 config {i} {config}", lambda: run(fmt, 3584, 3072, 64, config=config)
+            for order in ("expert", "tile"):  # the sweep runs each config in both program orders
+                cfg = {**config, "order": order}
+                yield f"moe {fmt} K3 config {i} {cfg}", lambda: run(fmt, 3584, 3072, 64, config=cfg)
 
 
 def _kda_cases():

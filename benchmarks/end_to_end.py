@@ -9,7 +9,13 @@ Times: prefill and eager decode per token at B = 1 and 64 for a 1K prompt (and B
 each after an untimed warm-up at the same batch and prompt length (compilation, autotuning), and the cache bytes that each token
 adds (the growing part; K3's KDA state and the peer's recurrent state are fixed per sequence).
 
+`--mxfp4` builds the routed experts as the release ships them, MXFP4-packed (random bytes, scales near 2**-7), at the
+real expert count by default (896: 47 GB for the three MoE layers, where bf16 would need 177): the kernel path runs
+them packed (W4A16), the torch path through the "eager" experts, which dequantise one touched expert at a time (the
+bf16 `grouped_mm` needs 3-D bf16 experts). That path is slow by design, so it is timed at B = 1 only.
+
     . scripts/device_env.sh && python3 -u benchmarks/end_to_end.py [--peer | --peer-only] [--long] [--experts 64]
+    . scripts/device_env.sh && python3 -u benchmarks/end_to_end.py --mxfp4 [--long]
 """
 
 import argparse
@@ -19,6 +25,7 @@ import torch
 
 import transformers_k3  # noqa: F401
 from transformers_k3 import KimiK3Cache, KimiK3Config, KimiK3ForConditionalGeneration
+from transformers_k3.modeling_kimi_k3 import _PACK_EXPERTS, KimiK3Experts
 from transformers_k3.tiny import released_config_dict
 
 VOCAB = 4096
@@ -28,20 +35,31 @@ def rel(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
-def set_path(lm, fast: bool):
+def set_path(lm, fast: bool, packed: bool = False):
     lm.config.kda_backend = "triton" if fast else "torch"
     lm.set_attn_implementation("k3_mla_paged" if fast else "sdpa")
-    lm.set_experts_implementation("k3_triton" if fast else "grouped_mm")
+    lm.set_experts_implementation("k3_triton" if fast else ("eager" if packed else "grouped_mm"))
 
 
-def k3_model(experts: int):
-    d = released_config_dict()
+def k3_model(experts: int, mxfp4: bool = False):
+    d = released_config_dict()  # carries the release's MXFP4 quantization_config
     t = d["text_config"]
     t.update(num_hidden_layers=4, num_experts=experts, num_experts_per_token=16, vocab_size=VOCAB)
     t["linear_attn_config"] = dict(t["linear_attn_config"], kda_layers=[1, 2, 3], full_attn_layers=[4])
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        m = KimiK3ForConditionalGeneration(KimiK3Config(**d)).eval()
+    # What `from_pretrained(..., keep_experts_packed=True)` sets while it builds the model (no checkpoint here).
+    token = _PACK_EXPERTS.set("explicit" if mxfp4 else None)
+    try:
+        with torch.device("cuda"):
+            m = KimiK3ForConditionalGeneration(KimiK3Config(**d)).eval()
+    finally:
+        _PACK_EXPERTS.reset(token)
+    for mod in m.modules():
+        if isinstance(mod, KimiK3Experts) and mod.packed:
+            mod.gate_up_proj_blocks.random_(0, 256)
+            mod.down_proj_blocks.random_(0, 256)
+            mod.gate_up_proj_scales.random_(119, 123)  # dequantised weights ~N(0, 0.01)-sized
+            mod.down_proj_scales.random_(119, 123)
     return m.language_model.to(torch.bfloat16), t
 
 
@@ -124,17 +142,22 @@ def main():
     ap.add_argument("--peer", action="store_true", help="also time transformers' Kimi Linear (fla if importable)")
     ap.add_argument("--long", action="store_true", help="add a 32K prompt at B = 1")
     ap.add_argument("--peer-only", action="store_true", help="time only the peer (its own process: fla autotunes)")
+    ap.add_argument("--mxfp4", action="store_true", help="MXFP4-packed routed experts, 896 unless --experts is given")
     args = ap.parse_args()
     args.peer = args.peer or args.peer_only
-    lm, t = k3_model(args.experts)
+    if args.mxfp4 and args.experts == ap.get_default("experts"):
+        args.experts = 896
+    lm, t = k3_model(args.experts, args.mxfp4)
     n = sum(p.numel() for p in lm.parameters())
-    print(f"K3-width, 4 layers, {args.experts} experts, {n / 1e9:.2f}B params, {torch.cuda.get_device_name()}, "
-          f"torch {torch.__version__}", flush=True)
+    nbytes = sum(p.numel() * p.element_size() for p in lm.parameters())
+    print(f"K3-width, 4 layers, {args.experts} experts{' MXFP4-packed' if args.mxfp4 else ''}, {n / 1e9:.2f}B "
+          f"stored values ({nbytes / 1e9:.1f} GB), {torch.cuda.get_device_name()}, torch {torch.__version__}",
+          flush=True)
     x = torch.randint(0, VOCAB, (64, 32768 if args.long else 1024), device="cuda")
     logits, rows = {}, []
     cases = [(1, 1024), (64, 1024)] + ([(1, 32768)] if args.long else [])
     for fast in (() if args.peer_only else (False, True)):
-        set_path(lm, fast)
+        set_path(lm, fast, args.mxfp4)
         logits[fast] = lm(input_ids=x[:2, :512], use_cache=False).logits
         cache = KimiK3Cache(lm.config)
         a = lm(input_ids=x[:2, :500], cache=cache).logits
@@ -145,14 +168,15 @@ def main():
         print(f"kernels vs torch path, prefill logits rel err {rel(logits[True], logits[False]):.2e}")
         gen = {}
         for fast in (False, True):
-            set_path(lm, fast)
+            set_path(lm, fast, args.mxfp4)
             gen[fast] = lm.generate(x[:2, :64], max_new_tokens=16, do_sample=False)
         same = (gen[True] == gen[False]).float().mean().item()
         print(f"greedy generate, 16 tokens x 2 sequences: {100 * same:.0f} % of tokens equal", flush=True)
 
     for fast in (() if args.peer_only else (False, True)):
-        set_path(lm, fast)
-        for B, P in cases:
+        set_path(lm, fast, args.mxfp4)
+        # the packed torch path dequantises every touched expert at every call: B = 1 only
+        for B, P in (cases if fast or not args.mxfp4 else [(1, 1024)]):
             pre, dec, per_tok = timed(lm, x, B, P, 16, lambda: KimiK3Cache(lm.config))
             rows.append(("K3 kernels" if fast else "K3 torch", B, P, pre, dec, per_tok))
             print(rows[-1], flush=True)

@@ -26,7 +26,7 @@ import torch
 import triton
 
 from k3_kernels.moe.reference import moe_experts
-from k3_kernels.moe.triton_moe import _DEFAULT_CONFIGS, moe_experts_triton
+from k3_kernels.moe.triton_moe import _DEFAULT_CONFIGS, _is_decode, moe_experts_triton
 from k3_kernels.mxfp4.reference import dequantize_mxfp4
 from k3_kernels.situ.reference import situ_glu
 
@@ -70,7 +70,9 @@ def _tokens(N, E, k, D, dev):
 
 def _bench(fn, dev):
     if dev == "cuda":
-        return triton.testing.do_bench(fn, warmup=5, rep=50)  # median ms
+        # median ms; rep 200 ms keeps >= 5 timed calls at prefill sizes (~30-50 ms a call): with fewer, a clock
+        # change inside one call moved the figure by up to 15 %
+        return triton.testing.do_bench(fn, warmup=25, rep=200)
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1e3
@@ -126,20 +128,23 @@ SWEEP_CONFIGS = {
 }
 
 
-def _cfg_name(cfg, regime, fmt):
+def _cfg_name(cfg, regime, fmt, order=None):
     if cfg is None:
-        return f"default ({_cfg_name(_DEFAULT_CONFIGS[regime, fmt], regime, fmt)})"
+        return f"default ({_cfg_name(_DEFAULT_CONFIGS[regime, fmt], regime, fmt, order)})"
     g, d = cfg["gate_up"], cfg["down"]
     tile = lambda c: f"{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']}"  # noqa: E731
-    return f"m{cfg['block_m']} gate_up {tile(g)} / down {tile(d)} {cfg['reduce']}"
+    order = order or cfg.get("order") or _DEFAULT_CONFIGS[regime, fmt]["order"]
+    return f"m{cfg['block_m']} gate_up {tile(g)} / down {tile(d)} {cfg['reduce']} {order}"
 
 
 def sweep(args, E, k, D, I, dev, fp4, gate_up, down):
-    """Time `SWEEP_CONFIGS` of the token count's regime for MXFP4 and bf16; one markdown row per config."""
+    """Time `SWEEP_CONFIGS` of the token count's regime for MXFP4 and bf16, each in every program order of
+    `--orders`; one markdown row per config."""
     gpu = torch.cuda.get_device_name() if dev == "cuda" else "CPU smoke run (timings meaningless)"
     print(f"\nMoE experts config sweep, E={E}, top-{k}, D={D}, I={I}, {gpu}, torch {torch.__version__}, "
           f"triton {triton.__version__}", flush=True)
-    print("config: m<block_m>, per kernel <BLOCK_N>x<BLOCK_K> w<num_warps> s<num_stages>, then the reduce; rel err: "
+    print("config: m<block_m>, per kernel <BLOCK_N>x<BLOCK_K> w<num_warps> s<num_stages>, then the reduce and the "
+          "program order; rel err: "
           "max abs difference to the default config's output over its max\n", flush=True)
     print("| tokens | format | config | ms | weight GB/s | TFLOP/s | vs grouped_mm | rel err vs default | best |",
           flush=True)
@@ -148,13 +153,14 @@ def sweep(args, E, k, D, I, dev, fp4, gate_up, down):
         x, top_idx, top_w, touched = _tokens(N, E, k, D, dev)
         flops = 2 * N * k * (3 * D * I)
         peer = _bench(lambda: grouped_mm_experts(x, top_idx, top_w, gate_up, down), dev)
-        regime = "decode" if N * k <= 4 * E else "prefill"  # the kernel's own rule
         for fmt, weights in (("MXFP4", fp4), ("bf16", dict(gate_up=gate_up, down=down))):
+            regime = "decode" if _is_decode(N * k, E, fmt == "MXFP4") else "prefill"  # the kernel's own rule
             wbytes = touched * 3 * D * I * (0.5 + 1 / 32 if fmt == "MXFP4" else 2)
             ref = moe_experts_triton(x, top_idx, top_w, **weights).float()
             results = []
-            for cfg in SWEEP_CONFIGS[regime]:
-                name = _cfg_name(cfg, regime, "mxfp4" if fmt == "MXFP4" else "dense")
+            for cfg, order in [(c, o) for c in SWEEP_CONFIGS[regime] for o in args.orders.split(",")]:
+                name = _cfg_name(cfg, regime, "mxfp4" if fmt == "MXFP4" else "dense", order)
+                cfg = {**(cfg or {}), "order": order}
                 try:
                     fn = lambda cfg=cfg: moe_experts_triton(x, top_idx, top_w, **weights, config=cfg)  # noqa: E731
                     err = ((fn().float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
@@ -185,6 +191,7 @@ def main():
     ap.add_argument("--device", default="cuda", help="cpu only for a smoke run of the script under TRITON_INTERPRET=1")
     ap.add_argument("--loop-max-tokens", type=int, default=8192, help="skip the Python loop above this many tokens")
     ap.add_argument("--sweep", action="store_true", help="time our kernel over SWEEP_CONFIGS instead of the paths")
+    ap.add_argument("--orders", default="expert,tile", help="program orders the sweep runs each config in")
     args = ap.parse_args()
     # top-k capped at the expert count, so a smoke run with few experts keeps the default --top-k
     E, k, (D, I), dev = args.experts, min(args.top_k, args.experts), args.dims, args.device

@@ -89,6 +89,34 @@ def _tanh(x):
 
 
 @triton.jit
+def _program_tile(BLOCK_EXPERT, RUN_END, RUN_LEN, tiles, n_blocks, BLOCK_M: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
+    """(row tile, column block) of this program in the 1D grid of `tiles * n_blocks` programs (config "order").
+
+    "tile" (EXPERT_MAJOR False): the row tile is the fastest axis, so the programs running at once hold one column
+    block of many experts. "expert": expert e owns the programs [first * n_blocks, (first + count) * n_blocks),
+    [first, first + count) being its row tiles, walked as all its column blocks, each over all its row tiles: a
+    weight tile is read by its `count` row tiles back to back (L2 serves all but the first), and the expert's rows of
+    x (gate_up) or h (down), a few hundred KB, stay in L2 across its column blocks, where the "tile" order re-reads
+    all of x / h from HBM once per column block. `pid // n_blocks` is always one of the program's expert's tiles,
+    which finds the expert; spare tiles (expert -1) are a run of one.
+    """
+    pid = tl.program_id(0)
+    # One return: triton 3.6 does not compile an early return inside a constexpr branch here.
+    if EXPERT_MAJOR:
+        t = pid // n_blocks
+        e = tl.load(BLOCK_EXPERT + t)
+        ec = tl.maximum(e, 0).to(tl.int64)
+        run = tl.load(RUN_LEN + ec)  # padded rows of the expert's run
+        first = tl.where(e >= 0, (tl.load(RUN_END + ec) - run) // BLOCK_M, t)
+        count = tl.where(e >= 0, run // BLOCK_M, 1)
+        local = pid - first * n_blocks
+        pid_m, pid_n = first + local % count, local // count
+    else:
+        pid_m, pid_n = pid % tiles, pid // tiles
+    return pid_m, pid_n
+
+
+@triton.jit
 def _row_tile(SORTED, BLOCK_EXPERT, pid_m, num_assign, top_k, BLOCK_M: tl.constexpr):
     """This program's expert, its BLOCK_M padded rows, their assignment ids, which are real, and their tokens."""
     e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
@@ -100,10 +128,11 @@ def _row_tile(SORTED, BLOCK_EXPERT, pid_m, num_assign, top_k, BLOCK_M: tl.conste
 
 @triton.jit
 def _gate_up_situ(
-    X, W, S, H, SORTED, BLOCK_EXPERT, num_assign, top_k, D, I, beta, linear_beta,
+    X, W, S, H, SORTED, BLOCK_EXPERT, RUN_END, RUN_LEN, tiles, num_assign, top_k, D, I, beta, linear_beta,
     FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+    EXPERT_MAJOR: tl.constexpr,
 ):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n = _program_tile(BLOCK_EXPERT, RUN_END, RUN_LEN, tiles, tl.cdiv(I, BLOCK_N), BLOCK_M, EXPERT_MAJOR)
     e, rows, assign, valid, token = _row_tile(SORTED, BLOCK_EXPERT, pid_m, num_assign, top_k, BLOCK_M)
     if e < 0:  # a tile past the real ones: `_align` bounds the grid without a host sync
         return
@@ -129,12 +158,12 @@ def _gate_up_situ(
 
 @triton.jit
 def _down(
-    Hs, W, S, OUT, SORTED, BLOCK_EXPERT, TOPW, num_assign, top_k, D, I,
+    Hs, W, S, OUT, SORTED, BLOCK_EXPERT, RUN_END, RUN_LEN, TOPW, tiles, num_assign, top_k, D, I,
     FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-    REDUCE_SORTED: tl.constexpr,
+    REDUCE_SORTED: tl.constexpr, EXPERT_MAJOR: tl.constexpr,
 ):
     """OUT: `[N, D]` fp32 accumulated atomically, or with REDUCE_SORTED `[N * top_k, D]` fp32 written once a row."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n = _program_tile(BLOCK_EXPERT, RUN_END, RUN_LEN, tiles, tl.cdiv(D, BLOCK_N), BLOCK_M, EXPERT_MAJOR)
     e, rows, assign, valid, token = _row_tile(SORTED, BLOCK_EXPERT, pid_m, num_assign, top_k, BLOCK_M)
     if e < 0:  # a tile past the real ones: `_align` bounds the grid without a host sync
         return
@@ -164,7 +193,8 @@ def _align(top_idx: torch.Tensor, num_experts: int, block_m: int):
     Without a host sync (decode calls this once per MoE layer and step, and a sync there serialises the CPU's
     launches with the GPU's work): the grid is the bound `cdiv(A, block_m) + min(E, A)` on the row tiles (each
     touched expert adds at most one partial tile), and the tiles past the real ones get expert -1, which the
-    kernels skip. Returns (sorted_ids [tiles * block_m] int32, block_expert [tiles] int32, tiles).
+    kernels skip. Returns (sorted_ids [tiles * block_m] int32, block_expert [tiles] int32, tiles, run_end [E],
+    run_len [E]): expert e's padded run is rows [run_end[e] - run_len[e], run_end[e]) (int64; `_program_tile`).
     """
     flat = top_idx.reshape(-1)
     A = flat.numel()
@@ -180,32 +210,41 @@ def _align(top_idx: torch.Tensor, num_experts: int, block_m: int):
     tile_start = torch.arange(tiles, device=flat.device) * block_m
     block_expert = torch.searchsorted(end, tile_start, right=True)  # the run holding the tile; E past the last
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    return sorted_ids, block_expert, tiles
+    return sorted_ids, block_expert, tiles, end, padded
 
 
 # Launch defaults per (regime, weight format: "mxfp4" or "dense" bf16 / fp16), the one place to drop a GPU sweep's
-# winner in (`benchmarks/moe.py --sweep`). Decode (N * top_k <= 4 E: about a handful of rows per touched expert) is
-# bound by the expert-weight bytes (bf16) or by the in-register unpack (MXFP4), so small row tiles; prefill reuses
-# each weight tile over many rows. Values: the sweep's best on the H200 at K3 shapes (BENCHMARKS.md, fifth session;
-# triton 3.6): decode 64 tokens MXFP4 7.12 ms (the old 64x64 tile stayed best: wider K tiles or 8 warps only add
-# unpack latency), bf16 9.90 ms with 128x128 tiles over 8 warps (11.00 with 64x64); prefill 8192 tokens bf16 34.2 ms
-# (254 TFLOP/s, 43.6 with 64x64 over 4 warps), MXFP4 50.7 ms (within 2 % of the old default). BLOCK_N is clamped
-# to the output width's next power of two (tiny models); the MXFP4 BLOCK_K default falls back to 32 where 64 does
-# not divide the K width.
-def _tiles(block_m, bn, bk, warps, stages):
+# winner in (`benchmarks/moe.py --sweep`). Decode (at most `_DECODE_MAX_ROWS` rows an expert on average) is bound by
+# the expert-weight bytes (bf16) or by the in-register unpack (MXFP4), which each row tile repeats, so small row
+# tiles; prefill reuses each weight tile over many rows. Values: the sweep's best on the H200 at K3 shapes
+# (BENCHMARKS.md, fifth and seventh sessions; triton 3.6). Decode, 64 tokens: MXFP4 6.92 ms (64x64 tiles in "tile"
+# order; wider K tiles or 8 warps only add unpack latency, "expert" order is 4 % slower), bf16 9.23 ms (128x128 over
+# 8 warps, "expert" order, 4 % faster than "tile"). Prefill, 8192 tokens: bf16 29.6 ms, 293 TFLOP/s (64x128x64 tiles
+# over 8 warps, "expert" order: 1.16x "tile", which re-read x and h once per column block), MXFP4 45.4 ms (128-row
+# tiles, 64-wide gate_up and 128-wide down tiles over 4 warps, "expert" order: 1.10x the best "tile" config).
+# BLOCK_N is clamped to the output width's next power of two (tiny models); the MXFP4 BLOCK_K default falls back to
+# 32 where 64 does not divide the K width.
+def _tiles(block_m, bn, bk, warps, stages, order, down_bn=None):
     kern = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
-    return {"block_m": block_m, "reduce": "atomic", "gate_up": dict(kern), "down": dict(kern)}
+    down = dict(kern, BLOCK_N=down_bn or bn)
+    return {"block_m": block_m, "reduce": "atomic", "order": order, "gate_up": kern, "down": down}
 
 
 _DEFAULT_CONFIGS = {
-    ("decode", "mxfp4"): _tiles(16, 64, 64, 4, 3),
-    ("decode", "dense"): _tiles(16, 128, 128, 8, 4),
-    ("prefill", "mxfp4"): _tiles(64, 128, 64, 4, 3),
-    ("prefill", "dense"): _tiles(64, 128, 64, 8, 4),
+    ("decode", "mxfp4"): _tiles(16, 64, 64, 4, 3, "tile"),
+    ("decode", "dense"): _tiles(16, 128, 128, 8, 4, "expert"),
+    ("prefill", "mxfp4"): _tiles(128, 64, 64, 4, 4, "expert", down_bn=128),
+    ("prefill", "dense"): _tiles(64, 128, 64, 8, 4, "expert"),
 }
-_CONFIG_KEYS = ("block_m", "reduce", "gate_up", "down")
+# Where the regimes meet, in average rows an expert (N * top_k / E), measured at 128-1024 tokens of K3's 896
+# experts (seventh session, ms with each regime's config): bf16 decode / prefill 13.6 / 14.6 at 9.1 rows, 16.0 / 14.7
+# at 18.3; MXFP4 11.2 / 23.2 at 9.1 rows, 17.5 / 23.3 at 18.3 (its prefill tiles multiply 128 rows per unpacked
+# weight; its decode tiles unpack every weight once per 16 rows, so they lose further up).
+_DECODE_MAX_ROWS = {"dense": 12, "mxfp4": 24}
+_CONFIG_KEYS = ("block_m", "reduce", "order", "gate_up", "down")
 _KERNEL_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 _REDUCES = ("atomic", "sorted")
+_ORDERS = ("expert", "tile")
 
 
 def _is_int(v) -> bool:
@@ -214,6 +253,10 @@ def _is_int(v) -> bool:
 
 def _is_pow2_tile(v) -> bool:
     return _is_int(v) and v >= 16 and v & (v - 1) == 0
+
+
+def _is_decode(assignments: int, num_experts: int, fp4: bool) -> bool:
+    return assignments <= _DECODE_MAX_ROWS["mxfp4" if fp4 else "dense"] * num_experts
 
 
 def _resolve_config(config, block_m, *, decode: bool, fp4: bool, D: int, I: int) -> dict:
@@ -231,11 +274,13 @@ def _resolve_config(config, block_m, *, decode: bool, fp4: bool, D: int, I: int)
         raise ValueError(f"block_m given twice: block_m={block_m} and config['block_m']={config['block_m']}")
     base = _DEFAULT_CONFIGS[("decode" if decode else "prefill", "mxfp4" if fp4 else "dense")]
     out = {"block_m": config.get("block_m", block_m if block_m is not None else base["block_m"]),
-           "reduce": config.get("reduce", base["reduce"])}
+           "reduce": config.get("reduce", base["reduce"]), "order": config.get("order", base["order"])}
     if not _is_pow2_tile(out["block_m"]):
         raise ValueError(f"block_m must be a power of two >= 16 (tl.dot's smallest M), got {out['block_m']!r}")
     if out["reduce"] not in _REDUCES:
         raise ValueError(f"config['reduce'] must be one of {_REDUCES}, got {out['reduce']!r}")
+    if out["order"] not in _ORDERS:
+        raise ValueError(f"config['order'] must be one of {_ORDERS}, got {out['order']!r}")
     for kern, k_name, K, N in (("gate_up", "D", D, I), ("down", "I", I, D)):  # K read, N written
         sub = config.get(kern, {})
         if not isinstance(sub, dict):
@@ -271,10 +316,11 @@ def moe_experts_triton(
 ):
     """x `[N, D]` -> `[N, D]`. Give bf16/fp16 `gate_up [E, 2I, D]` + `down [E, D, I]`, or the MXFP4 quartet.
 
-    `config` (all keys optional, the rest from `_DEFAULT_CONFIGS` of the regime, decode when N * k <= 4 E, and
-    the weight format):
+    `config` (all keys optional, the rest from `_DEFAULT_CONFIGS` of the regime, decode when N * k <=
+    `_DECODE_MAX_ROWS` * E, and the weight format):
     `block_m` (rows per tile, a power of two >= 16; same as the `block_m=` argument, giving both differently
-    raises), `reduce` ("atomic" or "sorted", see the module doc), and per kernel `gate_up` / `down` dicts with
+    raises), `reduce` ("atomic" or "sorted", see the module doc), `order` ("expert" or "tile": the programs' launch
+    order, see `_program_tile`), and per kernel `gate_up` / `down` dicts with
     `BLOCK_N`, `BLOCK_K` (powers of two >= 16; with MXFP4 a multiple of 32 dividing the K width: D for gate_up,
     I for down), `num_warps` (1, 2, 4, 8) and `num_stages` (>= 1). Unknown keys raise ValueError.
     """
@@ -301,26 +347,27 @@ def moe_experts_triton(
         raise ValueError(f"top_k_index {tuple(top_idx.shape)} / top_k_weights {tuple(top_w.shape)} must be [N, k]")
     N, k = top_idx.shape
     # Decode: a handful of tokens per expert, so small row tiles; prefill: bigger tiles reuse the weights.
-    cfg = _resolve_config(config, block_m, decode=N * k <= 4 * E, fp4=fp4, D=D, I=I)
+    cfg = _resolve_config(config, block_m, decode=_is_decode(N * k, E, fp4), fp4=fp4, D=D, I=I)
     if N == 0:
         return torch.zeros((0, D), device=x.device, dtype=x.dtype)
     bm, c1, c2 = cfg["block_m"], cfg["gate_up"], cfg["down"]
-    sorted_ids, block_expert, tiles = _align(top_idx, E, bm)
+    sorted_ids, block_expert, tiles, run_end, run_len = _align(top_idx, E, bm)
     hbuf = torch.empty((tiles * bm, I), device=x.device, dtype=torch.bfloat16)
-    reduce_sorted = cfg["reduce"] == "sorted"
+    reduce_sorted, expert_major = cfg["reduce"] == "sorted", cfg["order"] == "expert"
     # sorted: every [N * k, D] row is written once by `_down` (empty is fine); atomic: the adds need zeros.
     out = (torch.empty if reduce_sorted else torch.zeros)((N * k if reduce_sorted else N, D), device=x.device,
                                                           dtype=torch.float32)
     x = x.contiguous()
-    _gate_up_situ[(tiles, triton.cdiv(I, c1["BLOCK_N"]))](
-        x, W1, S1, hbuf, sorted_ids, block_expert, N * k, k, D, I, beta, linear_beta,
-        FP4=fp4, BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], DOT_F32=_DOT_F32,
+    _gate_up_situ[(tiles * triton.cdiv(I, c1["BLOCK_N"]),)](
+        x, W1, S1, hbuf, sorted_ids, block_expert, run_end, run_len, tiles, N * k, k, D, I, beta, linear_beta,
+        FP4=fp4, BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], DOT_F32=_DOT_F32, EXPERT_MAJOR=expert_major,
         num_warps=c1["num_warps"], num_stages=c1["num_stages"],
     )
-    _down[(tiles, triton.cdiv(D, c2["BLOCK_N"]))](
-        hbuf, W2, S2, out, sorted_ids, block_expert, top_w.reshape(-1).float().contiguous(), N * k, k, D, I,
+    _down[(tiles * triton.cdiv(D, c2["BLOCK_N"]),)](
+        hbuf, W2, S2, out, sorted_ids, block_expert, run_end, run_len, top_w.reshape(-1).float().contiguous(), tiles,
+        N * k, k, D, I,
         FP4=fp4, BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], DOT_F32=_DOT_F32,
-        REDUCE_SORTED=reduce_sorted, num_warps=c2["num_warps"], num_stages=c2["num_stages"],
+        REDUCE_SORTED=reduce_sorted, EXPERT_MAJOR=expert_major, num_warps=c2["num_warps"], num_stages=c2["num_stages"],
     )
     if reduce_sorted:
         out = out.view(N, k, D).sum(1)  # assignment id = token * k + slot: a token's k rows are adjacent

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from k3_kernels.moe.triton_moe import _align, _fp4_dot, moe_experts_triton  # noqa: E402
+from k3_kernels.moe.triton_moe import _DECODE_MAX_ROWS, _align, _fp4_dot, _is_decode, moe_experts_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -46,7 +46,7 @@ def test_align_tiles(N, E, k, block_m):
     (then pads), the grid's spare tiles (expert -1) come after the real ones and hold only pads."""
     g = torch.Generator().manual_seed(N * E)
     top_idx = torch.rand(N, E, generator=g).topk(k, dim=-1).indices.to(DEVICE)
-    sorted_ids, block_expert, tiles = _align(top_idx, E, block_m)
+    sorted_ids, block_expert, tiles, run_end, run_len = _align(top_idx, E, block_m)
     A = N * k
     assert tiles == triton.cdiv(A, block_m) + min(E, A)
     assert sorted_ids.shape == (tiles * block_m,) and block_expert.shape == (tiles,)
@@ -62,6 +62,50 @@ def test_align_tiles(N, E, k, block_m):
     for t in range(n_real):
         row = ids.view(tiles, block_m)[t]
         assert (flat[row[row < A]] == be[t]).all()
+    # The runs `_program_tile` orders the grid by: expert e's padded rows, ending at run_end[e].
+    run_end, run_len = run_end.cpu(), run_len.cpu()
+    assert torch.equal(run_len, (counts + block_m - 1) // block_m * block_m)
+    assert torch.equal(run_end, run_len.cumsum(0))
+    for t in range(n_real):
+        e = be[t]
+        assert run_end[e] - run_len[e] <= t * block_m < run_end[e]
+
+
+@pytest.mark.parametrize("fp4", [False, True])
+def test_regime_boundary(fp4):
+    """Decode tiles up to `_DECODE_MAX_ROWS` average rows an expert (per weight format), prefill tiles above."""
+    E = 896
+    limit = _DECODE_MAX_ROWS["mxfp4" if fp4 else "dense"] * E
+    assert _is_decode(limit, E, fp4) and not _is_decode(limit + 1, E, fp4)
+    assert _is_decode(64 * 16, E, fp4) and not _is_decode(8192 * 16, E, fp4)  # K3 decode at B = 64, 8K prefill
+
+
+@pytest.mark.parametrize("order", ["expert", "tile"])
+@pytest.mark.parametrize("fp4", [False, True])
+def test_experts_with_many_row_tiles_and_column_blocks(fp4, order):
+    """Experts of several row tiles times several column blocks in both kernels: each program order
+    (`_program_tile`) must reach every (row tile, column block) once. A program it missed leaves rows at zero, one
+    it repeated adds its atomic twice; either fails the comparison."""
+    N, E, k, D, I = 80, 3, 2, 96, 64  # ~53 rows an expert: 3-4 row tiles of 16
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(N, D, generator=g).bfloat16().to(DEVICE)
+    top_idx, top_w = _routing(N, E, k, g)
+    config = {"block_m": 16, "order": order, "gate_up": {"BLOCK_N": 16, "BLOCK_K": 32},
+              "down": {"BLOCK_N": 32, "BLOCK_K": 32}}
+    if fp4:
+        w13p, w13s = quantize_mxfp4(torch.randn(E, 2 * I, D, generator=g) * 0.1)
+        w2p, w2s = quantize_mxfp4(torch.randn(E, D, I, generator=g) * 0.1)
+        args = [t.to(DEVICE) for t in (w13p, w13s, w2p, w2s)]
+        want = moe_experts_mxfp4(x.float(), top_idx, top_w, *args)
+        got = moe_experts_triton(x, top_idx, top_w, w13_packed=args[0], w13_scale=args[1], w2_packed=args[2],
+                                 w2_scale=args[3], config=config)
+    else:
+        gate_up = (torch.randn(E, 2 * I, D, generator=g) * D**-0.5).bfloat16().to(DEVICE)
+        down = (torch.randn(E, D, I, generator=g) * I**-0.5).bfloat16().to(DEVICE)
+        want = moe_experts(x.float(), top_idx, top_w, gate_up.float(), down.float())
+        got = moe_experts_triton(x, top_idx, top_w, gate_up=gate_up, down=down, config=config)
+    assert torch.bincount(top_idx.reshape(-1).cpu(), minlength=E).min() > 32  # every expert has 3+ row tiles
+    assert rel_err(got.float(), want) <= 1e-2
 
 
 @pytest.mark.parametrize("N,E,k,D,I,block_m", [(1, 4, 2, 64, 32, 16), (37, 8, 3, 96, 64, 16), (70, 5, 2, 64, 96, 64)])
@@ -151,6 +195,7 @@ def test_mxfp4_configs_match_reference(reduce):
     ({"gate_up": {"BLOCK_N": 64, "warps": 4}}, "'warps'"),
     ({"block_m": 24}, "block_m"),
     ({"reduce": "tree"}, "reduce"),
+    ({"order": "row"}, "order"),
     ({"gate_up": {"BLOCK_N": 48}}, "BLOCK_N"),
     ({"down": {"BLOCK_K": 8}}, "BLOCK_K"),
     ({"down": {"num_warps": 3}}, "num_warps"),
