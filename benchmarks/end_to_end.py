@@ -15,7 +15,10 @@ them packed (W4A16), the torch path through the "eager" experts, which dequantis
 bf16 `grouped_mm` needs 3-D bf16 experts). That path is slow by design, so it is timed at B = 1 only.
 
     . scripts/device_env.sh && python3 -u benchmarks/end_to_end.py [--peer | --peer-only] [--long] [--experts 64]
-    . scripts/device_env.sh && python3 -u benchmarks/end_to_end.py --mxfp4 [--long]
+    . scripts/device_env.sh && python3 -u benchmarks/end_to_end.py --mxfp4 [--long] [--graph]
+
+`--graph` adds kernel-path rows whose decode steps replay a CUDA graph over a static cache (`max_cache_len` = the
+prompt + 64: the cache bytes a token then include the unused capacity).
 """
 
 import argparse
@@ -25,6 +28,7 @@ import torch
 
 import transformers_k3  # noqa: F401
 from transformers_k3 import KimiK3Cache, KimiK3Config, KimiK3ForConditionalGeneration
+from transformers_k3.cuda_graph import DecodeGraph
 from transformers_k3.modeling_kimi_k3 import _PACK_EXPERTS, KimiK3Experts
 from transformers_k3.tiny import released_config_dict
 
@@ -101,9 +105,11 @@ def tensor_bytes(obj, seen=None) -> int:
     return 0
 
 
-def timed(model, x, B, P, steps, make_cache, prefill_chunk=None):
+def timed(model, x, B, P, steps, make_cache, prefill_chunk=None, graph=False):
     """(prefill s, decode s per step, cache bytes added per token). ``prefill_chunk``: feed the prompt in pieces
-    of that many tokens through the cache (the peer at B = 64, whose experts cannot take 64K tokens at once)."""
+    of that many tokens through the cache (the peer at B = 64, whose experts cannot take 64K tokens at once).
+    ``graph``: decode steps replayed from a CUDA graph (`DecodeGraph`, a static cache from ``make_cache``); its
+    eager first step and its capture run before the timer."""
     def run(prompt, n):
         cache = make_cache()
         kw = {"cache": cache} if isinstance(cache, KimiK3Cache) else {"past_key_values": cache}
@@ -117,10 +123,15 @@ def timed(model, x, B, P, steps, make_cache, prefill_chunk=None):
         torch.cuda.synchronize(); pre = time.perf_counter() - t0
         kw = {"cache": cache} if isinstance(cache, KimiK3Cache) else {"past_key_values": cache}
         tok = out.logits[:, -1:].argmax(-1)
+        step = lambda t: model(input_ids=t, use_cache=True, **kw).logits  # noqa: E731
+        if graph:
+            step = DecodeGraph(model, cache)
+            for _ in range(2):
+                tok = step(tok)[:, -1:].argmax(-1)
         b0 = cache.nbytes()["mla"] if isinstance(cache, KimiK3Cache) else tensor_bytes(cache)
         torch.cuda.synchronize(); t0 = time.perf_counter()
         for _ in range(n):
-            tok = model(input_ids=tok, use_cache=True, **kw).logits[:, -1:].argmax(-1)
+            tok = step(tok)[:, -1:].argmax(-1)
         torch.cuda.synchronize(); dec = (time.perf_counter() - t0) / max(n, 1)
         if isinstance(cache, KimiK3Cache):
             per_tok = cache.nbytes()["mla"] / (B * cache.get_seq_length())
@@ -143,6 +154,7 @@ def main():
     ap.add_argument("--long", action="store_true", help="add a 32K prompt at B = 1")
     ap.add_argument("--peer-only", action="store_true", help="time only the peer (its own process: fla autotunes)")
     ap.add_argument("--mxfp4", action="store_true", help="MXFP4-packed routed experts, 896 unless --experts is given")
+    ap.add_argument("--graph", action="store_true", help="add kernel rows with CUDA-graph decode (static cache)")
     args = ap.parse_args()
     args.peer = args.peer or args.peer_only
     if args.mxfp4 and args.experts == ap.get_default("experts"):
@@ -180,6 +192,11 @@ def main():
             pre, dec, per_tok = timed(lm, x, B, P, 16, lambda: KimiK3Cache(lm.config))
             rows.append(("K3 kernels" if fast else "K3 torch", B, P, pre, dec, per_tok))
             print(rows[-1], flush=True)
+            if fast and args.graph:
+                static = lambda: KimiK3Cache(lm.config, max_cache_len=P + 64)  # noqa: E731
+                pre, dec, per_tok = timed(lm, x, B, P, 16, static, graph=True)
+                rows.append(("K3 kernels, CUDA-graph decode (static cache)", B, P, pre, dec, per_tok))
+                print(rows[-1], flush=True)
     if args.peer:
         del lm
         torch.cuda.empty_cache()

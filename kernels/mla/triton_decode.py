@@ -249,18 +249,19 @@ def mla_paged_decode(
     return out
 
 
-def mla_paged_attention(module, q_nope, q_pe, latent, cache, attention_mask=None):
+def mla_paged_attention(module, q_nope, q_pe, latent, cache, attention_mask=None, key_valid=None):
     """The cached branch of `KimiK3Attention` under `attn_implementation="k3_mla_paged"`.
 
     Appends `latent [B, T, r + dr]` to the layer's pages, absorbs `kv_b_proj` into the query and output and
-    runs `mla_paged_decode` over the pool. `attention_mask` is the model's bool `[B, 1, T, L]` mask.
-    Returns `[B, T, H, dv]`. A cache without `append_latent` still builds (and here drops) the gathered latent
-    copy in `update_latent`: correct, but that copy costs what the kernel saves.
+    runs `mla_paged_decode` over the pool. `attention_mask` is the model's bool `[B, 1, T, L]` mask, `key_valid`
+    `[B, T]` which new tokens are real (kept by static caches). Returns `[B, T, H, dv]`. A cache without
+    `append_latent` still builds (and here drops) the gathered latent copy in `update_latent`: correct, but that
+    copy costs what the kernel saves.
     """
     check_paged_backend(q_nope.device)
     layer = module.layer_idx
     if hasattr(cache, "append_latent"):  # a cache that writes without gathering the whole history
-        cache.append_latent(layer, latent)
+        cache.append_latent(layer, latent, key_valid)
     else:
         cache.update_latent(layer, latent)
     B, T, H, dn = q_nope.shape
@@ -270,11 +271,18 @@ def mla_paged_attention(module, q_nope, q_pe, latent, cache, attention_mask=None
     w_k, w_v = w[:, :dn], w[:, dn:]  # [H, dn, r], [H, dv, r]
     q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_k.to(q_nope.dtype))  # [B, T, H, r]
     pool = cache.pools[layer]
-    n_blocks = math.ceil(L / cache.page_size)
-    lengths = torch.full((B,), L, dtype=torch.int32, device=q_nope.device)
-    mask = None if attention_mask is None else attention_mask[:, 0]  # [B, T, L]
-    o_lat = mla_paged_decode(q_lat.to(pool.dtype), q_pe, pool, cache.block_table[:, :n_blocks], lengths,
-                             module.scaling, mask=mask, max_len=L)
+    if getattr(cache, "is_static", False) and T == 1:
+        # A static cache's decode step reads only device buffers at their full size (no host-side length):
+        # what a captured CUDA graph needs. Splits past a sequence's length do no work.
+        lengths, table, max_len = cache.device_lengths[layer], cache.block_table, cache.static_len
+        mask = cache.key_valid[:, None, :]  # [B, 1, static_len]
+    else:
+        n_blocks = math.ceil(L / cache.page_size)
+        lengths, max_len = torch.full((B,), L, dtype=torch.int32, device=q_nope.device), L
+        table = cache.block_table[:, :n_blocks]
+        mask = None if attention_mask is None else attention_mask[:, 0]  # [B, T, L]
+    o_lat = mla_paged_decode(q_lat.to(pool.dtype), q_pe, pool, table, lengths, module.scaling, mask=mask,
+                             max_len=max_len)
     return torch.einsum("bthr,hdr->bthd", o_lat.to(w_v.dtype), w_v)  # [B, T, H, dv]
 
 

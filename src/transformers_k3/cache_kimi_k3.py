@@ -17,6 +17,13 @@ kept tokens through the torch reference recurrence and rebuilds the conv states;
 length (the pages stay and are overwritten). Cropping further back than R tokens raises. Without
 `rollback_tokens` the cache is not croppable and costs nothing extra.
 
+Static (`KimiK3Cache(config, max_cache_len=N)`, what `generate(..., cache_implementation="static")` builds): every
+page up to N tokens is allocated at the first write, the write positions live on the device (`device_lengths`,
+one `[B]` tensor per MLA layer, with `key_valid [B, N]`, which keys are real tokens), and KDA states are updated in
+place. Nothing in a decode step then depends on a host-side length, so the step can be captured once in a CUDA
+graph and replayed (`cuda_graph.DecodeGraph`; generate does so on CUDA with `attn_implementation="k3_mla_paged"`).
+Static caches cannot be cropped back across rollback windows, reordered (beam search) or grown past N: those raise.
+
 Not yet: prefix reuse across requests (needs KDA state snapshots at block boundaries; `snapshot_kda` /
 `restore_kda` are the state half of it).
 """
@@ -32,9 +39,7 @@ from .configuration_kimi_k3 import FULL_ATTENTION, LINEAR_ATTENTION
 
 
 class KimiK3Cache(Cache):
-    is_compileable = False
-
-    def __init__(self, config, rollback_tokens: int = 0):
+    def __init__(self, config, rollback_tokens: int = 0, max_cache_len: int | None = None):
         # `layers=[]`: the per-layer bookkeeping of the base class does not fit a paged hybrid; every method
         # generate and the model use is implemented here.
         super().__init__(layers=[])
@@ -48,6 +53,12 @@ class KimiK3Cache(Cache):
         if int(rollback_tokens) < 0:
             raise ValueError(f"rollback_tokens must be >= 0, got {rollback_tokens}")
         self.rollback_tokens = int(rollback_tokens)
+        if max_cache_len is not None:
+            if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len <= 0:
+                raise ValueError(f"max_cache_len must be a positive int or None, got {max_cache_len!r}")
+            if self.rollback_tokens:
+                raise ValueError("a static KimiK3Cache (max_cache_len) cannot keep rollback windows (rollback_tokens)")
+        self.static_len = max_cache_len
         self.reset()
 
     # bookkeeping -------------------------------------------------------------------------------------------
@@ -60,6 +71,10 @@ class KimiK3Cache(Cache):
         self.recurrent_states: dict[int, torch.Tensor] = {}
         self.rollback_windows: dict[int, dict] = {}  # KDA layer -> the last forward's window (see save_rollback)
         self._seen_tokens = 0
+        # Static caches only: the lengths again as [B] int64 device tensors, and which cached keys are real tokens.
+        self.device_lengths: dict[int, torch.Tensor] = {}
+        self.key_valid: torch.Tensor | None = None  # [B, static_len] bool
+        self.decode_graph = None  # the captured decode step (cuda_graph.DecodeGraph) of a static cache
 
     def __len__(self) -> int:
         return len(self.layer_types)
@@ -77,6 +92,16 @@ class KimiK3Cache(Cache):
         return not self.kda_layers or self.rollback_tokens > 0
 
     @property
+    def is_static(self) -> bool:
+        return self.static_len is not None
+
+    @property
+    def is_compileable(self) -> bool:
+        # What transformers' generate asks before it swaps the decode step for `get_compiled_call` (a CUDA graph
+        # replay here, see the K3 generation mixin).
+        return self.is_static
+
+    @property
     def max_batch_size(self):
         if self.block_table is not None:
             return self.block_table.shape[0]
@@ -89,7 +114,7 @@ class KimiK3Cache(Cache):
 
     @property
     def max_cache_len(self):
-        return -1
+        return self.static_len if self.is_static else -1
 
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
         # Sequence length is counted on attention layers only: KDA layers have no length.
@@ -118,6 +143,10 @@ class KimiK3Cache(Cache):
 
     # MLA: paged latent --------------------------------------------------------------------------------------
     def _ensure_blocks(self, batch: int, end: int, device) -> None:
+        if self.is_static:
+            if end > self.static_len:
+                raise ValueError(f"KimiK3Cache(max_cache_len={self.static_len}) cannot hold {end} tokens")
+            end = self.static_len  # every page at once: nothing is allocated inside a captured step
         need = math.ceil(end / self.page_size)
         if self.block_table is None:
             self.block_table = torch.empty(batch, 0, dtype=torch.long, device=device)
@@ -141,9 +170,10 @@ class KimiK3Cache(Cache):
         self.pools[layer_idx] = pool
         return pool
 
-    def append_latent(self, layer_idx: int, latent: torch.Tensor) -> None:
+    def append_latent(self, layer_idx: int, latent: torch.Tensor, key_valid: torch.Tensor | None = None) -> None:
         """Write `latent [B, T, latent_dim]` into `layer_idx`'s pages. Kernels that read the pages through the block
-        table (the `k3_mla_paged` attention) need nothing more; `update_latent` also gathers the whole latent."""
+        table (the `k3_mla_paged` attention) need nothing more; `update_latent` also gathers the whole latent.
+        `key_valid [B, T]` bool (None: all real) marks padding; static caches keep it for their decode steps."""
         batch, t, dim = latent.shape
         if dim != self.latent_dim:
             raise ValueError(f"latent must have {self.latent_dim} channels, got {dim}")
@@ -151,14 +181,34 @@ class KimiK3Cache(Cache):
         end = start + t
         self._ensure_blocks(batch, end, latent.device)
         pool = self._pool(layer_idx, latent)
-        pos = torch.arange(start, end, device=latent.device)
-        pages = self.block_table[:, pos // self.page_size]  # [B, T]
-        pool[pages, pos % self.page_size] = latent.to(pool.dtype)
+        if self.is_static:
+            # Positions from the device lengths, so a captured step writes where the replayed step is.
+            if layer_idx not in self.device_lengths:
+                self.device_lengths[layer_idx] = torch.full((batch,), start, dtype=torch.long, device=latent.device)
+            if self.key_valid is None:
+                self.key_valid = torch.ones(batch, self.static_len, dtype=torch.bool, device=latent.device)
+            lengths = self.device_lengths[layer_idx]
+            pos = lengths[:, None] + torch.arange(t, device=latent.device)  # [B, T]
+            pages = self.block_table.gather(1, pos // self.page_size)  # [B, T]
+            pool[pages, pos % self.page_size] = latent.to(pool.dtype)
+            valid = torch.ones_like(pos, dtype=torch.bool) if key_valid is None else key_valid.to(torch.bool)
+            self.key_valid.scatter_(1, pos, valid)
+            lengths += t
+        else:
+            pos = torch.arange(start, end, device=latent.device)
+            pages = self.block_table[:, pos // self.page_size]  # [B, T]
+            pool[pages, pos % self.page_size] = latent.to(pool.dtype)
         self.lengths[layer_idx] = end
 
-    def update_latent(self, layer_idx: int, latent: torch.Tensor) -> torch.Tensor:
+    def advance(self, tokens: int) -> None:
+        """Host-side bookkeeping of `tokens` more tokens written on the device by a replayed decode step (the step's
+        device work, `device_lengths` included, is in the graph; its Python side ran once, at capture)."""
+        for layer in self.mla_layers:
+            self.lengths[layer] += tokens
+
+    def update_latent(self, layer_idx: int, latent: torch.Tensor, key_valid: torch.Tensor | None = None) -> torch.Tensor:
         """Append `latent [B, T, latent_dim]` for `layer_idx`; return all of that layer's latent `[B, L, latent_dim]`."""
-        self.append_latent(layer_idx, latent)
+        self.append_latent(layer_idx, latent, key_valid)
         end, batch = self.lengths[layer_idx], latent.shape[0]
         n_blocks = math.ceil(end / self.page_size)
         gathered = self.pools[layer_idx][self.block_table[:, :n_blocks]]  # [B, n_blocks, page, latent_dim]
@@ -174,6 +224,14 @@ class KimiK3Cache(Cache):
         return self.conv_states.get(layer_idx), self.recurrent_states.get(layer_idx)
 
     def update_kda_state(self, layer_idx: int, conv_states: tuple[torch.Tensor, ...], recurrent: torch.Tensor):
+        held = self.conv_states.get(layer_idx)
+        if self.is_static and held is not None:
+            # In place: a captured step must leave the states where the next replay reads them.
+            for dst, src in zip(held, conv_states):
+                dst.copy_(src)
+            if recurrent is not self.recurrent_states[layer_idx]:  # the Triton decode already wrote it in place
+                self.recurrent_states[layer_idx].copy_(recurrent)
+            return
         self.conv_states[layer_idx] = tuple(s.float() for s in conv_states)
         self.recurrent_states[layer_idx] = recurrent.float()
 
@@ -236,6 +294,11 @@ class KimiK3Cache(Cache):
 
     # batch operations (beam search, contrastive search, num_return_sequences) -----------------------------
     def _select_rows(self, index: torch.Tensor) -> None:
+        if self.is_static and (self.block_table is not None or self.recurrent_states):
+            raise NotImplementedError(
+                "a static KimiK3Cache cannot reorder or select its rows (beam search, contrastive search): its "
+                "buffers are captured by the decode graph; use the default cache for those generation modes"
+            )
         if self.block_table is not None:
             n_blocks = self.block_table.shape[1]
             table = self.block_table.index_select(0, index.to(self.block_table.device))  # [B', n_blocks]
@@ -285,6 +348,8 @@ class KimiK3Cache(Cache):
                 self._roll_back_kda(layer, length - max_length)
         for layer in self.mla_layers:
             self.lengths[layer] = max_length
+            if layer in self.device_lengths:
+                self.device_lengths[layer].fill_(max_length)
 
     # memory accounting ----------------------------------------------------------------------------------------
     def nbytes(self) -> dict[str, int]:

@@ -7,6 +7,7 @@ backends are chosen in `k3_kernels.dispatch`, never here.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import os
@@ -29,6 +30,7 @@ from k3_kernels.mla.reference import mla_absorbed_attention
 from k3_kernels.situ.reference import situ_glu
 
 from .cache_kimi_k3 import KimiK3Cache
+from .cuda_graph import DecodeGraph
 from .conversion import experts_are_mxfp4, packed_expert_conversions
 from .configuration_kimi_k3 import FULL_ATTENTION, KimiK3Config, KimiK3TextConfig
 
@@ -295,21 +297,25 @@ class KimiK3Attention(nn.Module):
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)
         c = self.kv_a_layernorm(c)  # [B, T, r]; NoPE: k_pe is used as is, never rotated
         expand = cache is None or T >= EXPANDED_PREFILL_MIN_TOKENS
+        # Which new tokens are real keys (the last query row sees every new key but padding): static caches keep it
+        # for decode steps that run without the host-built mask.
+        key_valid = None if attention_mask is None or cache is None else attention_mask[:, 0, -1, -T:]  # [B, T]
         if not expand and self.config._attn_implementation == "k3_mla_paged":
             from k3_kernels.mla.triton_decode import mla_paged_attention  # lazy: Triton is optional
 
             # The Triton kernel attends over the layer's pages through the block table (kv_b_proj absorbed).
-            out = mla_paged_attention(self, q_nope, q_pe, torch.cat([c, k_pe], dim=-1), cache, attention_mask)
+            out = mla_paged_attention(self, q_nope, q_pe, torch.cat([c, k_pe], dim=-1), cache, attention_mask,
+                                      key_valid)
         elif not expand:
             # Decode and short cached chunks attend over the latent directly (kv_b_proj absorbed).
-            latent = cache.update_latent(self.layer_idx, torch.cat([c, k_pe], dim=-1))  # [B, L, r + dr]
+            latent = cache.update_latent(self.layer_idx, torch.cat([c, k_pe], dim=-1), key_valid)  # [B, L, r + dr]
             c_all, k_pe_all = latent.to(x.dtype).split([self.kv_rank, self.rope_dim], dim=-1)
             out = mla_absorbed_attention(
                 q_nope, q_pe, c_all, k_pe_all, self._kv_b_weight(), self.v_dim, self.scaling, attention_mask
             )
         else:
             if cache is not None:  # a long prefill chunk: expand the whole cached latent, prefix included
-                latent = cache.update_latent(self.layer_idx, torch.cat([c, k_pe], dim=-1))  # [B, L, r + dr]
+                latent = cache.update_latent(self.layer_idx, torch.cat([c, k_pe], dim=-1), key_valid)  # [B, L, r + dr]
                 c, k_pe = latent.to(x.dtype).split([self.kv_rank, self.rope_dim], dim=-1)
             L = c.shape[1]
             kv = self.kv_b_proj(c).view(B, L, H, self.nope_dim + self.v_dim)
@@ -823,9 +829,15 @@ class KimiK3Model(KimiK3PreTrainedModel):
         if cache is not None:
             cache.check_batch(B)
         past = cache.get_seq_length() if cache is not None else 0
-        mla_mask, pad_mask, cu_seqlens = _attention_inputs(
-            attention_mask, position_ids, B, T, past, inputs_embeds.device, cu_seqlens, cache is not None
-        )
+        if (cache is not None and cache.is_static and T == 1 and attention_mask is None and cu_seqlens is None
+                and self.config._attn_implementation == "k3_mla_paged"):
+            # A static decode step (what `cuda_graph.DecodeGraph` captures): no host-built mask, whose width grows
+            # with the length; the paged kernel reads the cache's own key-padding flags (`key_valid`).
+            mla_mask = pad_mask = None
+        else:
+            mla_mask, pad_mask, cu_seqlens = _attention_inputs(
+                attention_mask, position_ids, B, T, past, inputs_embeds.device, cu_seqlens, cache is not None
+            )
         if use_cache and cache is None and cu_seqlens is None:
             cache = KimiK3Cache(self.config)  # a fresh cache: past = 0, so the masks above still hold
         packed = cu_seqlens is not None
@@ -885,15 +897,58 @@ class _KimiK3GenerationMixin:
         if generation_config.use_cache is False:
             return
         impl = generation_config.cache_implementation
-        if impl not in (None, "dynamic", "hybrid", "kimi_k3"):
+        if impl not in (None, "dynamic", "hybrid", "kimi_k3", "static"):
             raise ValueError(
-                f"cache_implementation={impl!r} is not supported by Kimi K3: it uses its own hybrid paged cache"
+                f"cache_implementation={impl!r} is not supported by Kimi K3: it uses its own hybrid paged cache "
+                "(None / 'dynamic' / 'hybrid' / 'kimi_k3', or 'static' for CUDA-graph decode steps)"
             )
+        if impl == "static":
+            if assisted:
+                raise ValueError("cache_implementation='static' does not serve assisted decoding (it crops the cache)")
+            # generate passes (generation_mode, batch_size, max_cache_length): the prompt plus the new tokens
+            max_cache_len = args[2] if len(args) > 2 else kwargs.get("max_cache_length", generation_config.max_length)
+            model_kwargs[CACHE_KWARG] = KimiK3Cache(self.config, max_cache_len=int(max_cache_len))
+            return
         rollback = ASSISTED_ROLLBACK_TOKENS if assisted else 0
         model_kwargs[CACHE_KWARG] = KimiK3Cache(self.config, rollback_tokens=rollback)
 
     def _supports_default_dynamic_cache(self):
         return False
+
+    def create_masks_for_generate(self, *args, attention_mask=None, **kwargs):
+        """generate turns the 2-D padding mask into 4-D masks when the cache is compileable (a static one); K3
+        builds its own masks from the 2-D one (and a static decode step needs none), so it is passed through."""
+        return attention_mask
+
+    def get_compiled_call(self, compile_config):
+        """What generate runs for decode steps when the cache is static (`is_compileable`) on a GPU: the step
+        captured once in a CUDA graph and replayed (`cuda_graph.DecodeGraph`), where transformers would
+        `torch.compile` the forward (K3's Triton kernels and paged cache do not go through dynamo).
+        `compile_config` has nothing to set here."""
+        return functools.partial(_static_decode_step, self)
+
+
+def _static_decode_step(model, input_ids=None, inputs_embeds=None, **inputs):
+    """One generate step on a static cache: a replayed CUDA graph for one token per sequence on CUDA, else eager."""
+    cache = inputs.get("cache", inputs.get("past_key_values"))
+    step = (
+        input_ids is not None and inputs_embeds is None and input_ids.shape[1] == 1 and input_ids.is_cuda
+        and isinstance(cache, KimiK3Cache) and cache.is_static and inputs.get("use_cache", True) is not False
+        and not any(inputs.get(k) is not None for k in ("pixel_values", "labels"))
+    )
+    if not step:
+        return model(input_ids=input_ids, inputs_embeds=inputs_embeds, **inputs)
+    impl = model.config.get_text_config(decoder=True)._attn_implementation
+    if impl != "k3_mla_paged":
+        raise ValueError(
+            f"cache_implementation='static' replays decode steps from a CUDA graph, which needs "
+            f"attn_implementation='k3_mla_paged' (got {impl!r}); or pass disable_compile=True to run them eagerly"
+        )
+    logits_to_keep = inputs.get("logits_to_keep", 1) or 1
+    if cache.decode_graph is None:
+        cache.decode_graph = DecodeGraph(model, cache, logits_to_keep)
+    logits = cache.decode_graph(input_ids)
+    return CausalLMOutputWithPast(logits=logits, **{CACHE_KWARG: cache})
 
 
 class KimiK3ForCausalLM(_KimiK3GenerationMixin, KimiK3PreTrainedModel, GenerationMixin):

@@ -193,8 +193,9 @@ def test_beam_scores_match_a_cache_free_beam_search(lm):
 
 def test_generate_rejects_unsupported_modes(lm):
     x = ids(1, 5)
-    with pytest.raises(ValueError, match="cache_implementation"):
-        lm.generate(x, max_new_tokens=2, cache_implementation="static")
+    for impl in ("offloaded", "quantized", "sliding_window"):  # "static" is served (tests/cache/test_static_cache.py)
+        with pytest.raises(ValueError, match="cache_implementation"):
+            lm.generate(x, max_new_tokens=2, cache_implementation=impl)
     # A user cache built without rollback cannot serve assisted decoding.
     with pytest.raises(ValueError, match="rollback_tokens"):
         lm.generate(x, max_new_tokens=2, prompt_lookup_num_tokens=2, **{CACHE_KWARG: KimiK3Cache(lm.config)})
