@@ -187,17 +187,15 @@ class KimiK3Cache(Cache):
                 self.device_lengths[layer_idx] = torch.full((batch,), start, dtype=torch.long, device=latent.device)
             if self.key_valid is None:
                 self.key_valid = torch.ones(batch, self.static_len, dtype=torch.bool, device=latent.device)
-            lengths = self.device_lengths[layer_idx]
-            pos = lengths[:, None] + torch.arange(t, device=latent.device)  # [B, T]
-            pages = self.block_table.gather(1, pos // self.page_size)  # [B, T]
-            pool[pages, pos % self.page_size] = latent.to(pool.dtype)
+            pos = self.device_lengths[layer_idx][:, None] + torch.arange(t, device=latent.device)  # [B, T]
+        else:
+            pos = torch.arange(start, end, device=latent.device).expand(batch, t)  # [B, T]
+        pages = self.block_table.gather(1, pos // self.page_size)  # [B, T]
+        pool[pages, pos % self.page_size] = latent.to(pool.dtype)
+        if self.is_static:
             valid = torch.ones_like(pos, dtype=torch.bool) if key_valid is None else key_valid.to(torch.bool)
             self.key_valid.scatter_(1, pos, valid)
-            lengths += t
-        else:
-            pos = torch.arange(start, end, device=latent.device)
-            pages = self.block_table[:, pos // self.page_size]  # [B, T]
-            pool[pages, pos % self.page_size] = latent.to(pool.dtype)
+            self.device_lengths[layer_idx] += t
         self.lengths[layer_idx] = end
 
     def advance(self, tokens: int) -> None:
