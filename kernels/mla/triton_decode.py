@@ -265,7 +265,6 @@ def mla_paged_attention(module, q_nope, q_pe, latent, cache, attention_mask=None
     else:
         cache.update_latent(layer, latent)
     B, T, H, dn = q_nope.shape
-    L = cache.lengths[layer]
     r = module.kv_rank
     w = module._kv_b_weight().view(H, dn + module.v_dim, r)
     w_k, w_v = w[:, :dn], w[:, dn:]  # [H, dn, r], [H, dv, r]
@@ -277,6 +276,7 @@ def mla_paged_attention(module, q_nope, q_pe, latent, cache, attention_mask=None
         lengths, table, max_len = cache.device_lengths[layer], cache.block_table, cache.static_len
         mask = cache.key_valid[:, None, :]  # [B, 1, static_len]
     else:
+        L = cache.lengths[layer]
         n_blocks = math.ceil(L / cache.page_size)
         lengths, max_len = torch.full((B,), L, dtype=torch.int32, device=q_nope.device), L
         table = cache.block_table[:, :n_blocks]
