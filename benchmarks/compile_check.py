@@ -140,9 +140,11 @@ def _kda_cases():
     yield "kda chunk", lambda: chunk_kda(q, q, q, g, beta, initial_state=torch.zeros(B, H, K, K), output_final_state=True)
     yield "kda chunk gate+l2norm+beta", lambda: chunk_kda(
         q, q, q, g, beta, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **gate)
-    for split in (False, True):  # the 16-token kernel, with and without the parallel w/u0 prep kernel
-        yield f"kda chunk16 split={split}", lambda: chunk_kda_fwd(q, q, q, g, beta, chunk_size=16, split=split)
-    yield "kda chunk64 fused", lambda: chunk_kda_fwd(q, q, q, g, beta, chunk_size=64, output_final_state=True)
+    for split in (False, True):  # the fused 16-token kernel, with and without the parallel w/u0 prep kernel
+        yield f"kda chunk16 split={split}", lambda: chunk_kda_fwd(q, q, q, g, beta, chunk_size=16, split=split,
+                                                                  output="fused")
+    yield "kda chunk64 fused", lambda: chunk_kda_fwd(q, q, q, g, beta, chunk_size=64, output_final_state=True,
+                                                     output="fused")
     for cs in (16, 64):  # output="stored": prep writing qg/kd/Aqk, state kernel storing h, parallel output kernel
         yield f"kda chunk{cs} stored", lambda: chunk_kda_fwd(q, q, q, g, beta, chunk_size=cs, output="stored",
                                                              output_final_state=True)

@@ -25,8 +25,8 @@ Precision: fp32 inputs use exact fp32 dots; bf16 inputs use bf16 dots for the in
 products against the fp32 state take tf32 operands in the 16-token path and, by default, bf16 operands in the
 64-token path (``state_dot``; as fla does; ~4e-3 relative in the final state, ~1e-2 in the worst tests).
 
-64-token chunks (``chunk_size=64``, the default since the prep kernel below walks channel slices: 4.10 ms at
-T = 8K on the H200 against 6.37 for 16-token ``split``): the state loop above is latency-bound on 16-token steps
+64-token chunks (``chunk_size=64``, the default: 2.65 ms at T = 8K on the H200 against 6.37 for 16-token
+``split``): the state loop above is latency-bound on 16-token steps
 (512 sequential steps of tiny dots at T = 8K). With C = 64 the loop has 4x fewer steps and its dots are
 [64, K] x [K, BV]. Inside a 64-chunk the cumulative decay G lies in (-320, 0], so exp(-G) would overflow;
 the chunk is therefore built from four 16-token sub-tiles t = 0..3 with e_t = G at the end of sub-tile t
@@ -42,22 +42,23 @@ so every factor is either <= 1 (a decay: underflow to 0 is harmless, the true pr
 (``k e^G``, ``s q e^G``) and G_last - G <= 0 (``kd``): safe. The UT system (I + diag(beta) Akk) y = diag(beta)
 rhs is block lower triangular; its inverse X is built by blocks, X_ii = (I + diag(beta_i) Akk_ii)^-1 by the
 16x16 forward substitution and X_ij = -X_ii sum_{j <= m < i} diag(beta_i) Akk_im X_mj, then applied to
-rhs = k e^G (giving w) and rhs = v (giving u0). All of this is independent
-of the state and runs in ``_kda_chunk64_prep_kernel``, parallel over (chunk, head); it writes w, qg = s q e^G
-(q.dtype), kd = k e^{G_last - G}, Aqk, u0 (fp32) and G_last. ``_kda_chunk64_state_kernel`` (sequential over
-chunks per (sequence, head, V-block)) then only does u = u0 - w S, o = qg S + Aqk u,
-S <- e^{G_last} S + kd^T u. Chunks never cross a sequence boundary (per-sequence chunk indices, the last
-chunk of a sequence partial and masked). Precision of the buffers and dots: see ``_chunk64_fwd``.
+rhs = k e^G (giving w) and rhs = v (giving u0). All of this is independent of the state and runs parallel over
+(chunk, head) in two kernels: ``_kda_chunk64_prep_kernel`` (the sub-tile blocks: Aqk, and X diag(beta) to an
+fp32 [64, 64] scratch) and ``_kda_chunk64_wu_kernel`` (whole-chunk [64, K] tiles: w and u0 as single
+[64, 64] x [64, BK] products, qg = s q e^G (q.dtype), kd = k e^{G_last - G}, G_last).
+``_kda_chunk64_state_kernel`` (sequential over chunks per (sequence, head, V-block)) then only does
+u = u0 - w S, o = qg S + Aqk u, S <- e^{G_last} S + kd^T u. Chunks never cross a sequence boundary
+(per-sequence chunk indices, the last chunk of a sequence partial and masked). Precision of the buffers and dots: see ``_chunk64_fwd``.
 
-Stored states + parallel output (``output="stored"``, both chunk sizes; fla's chunk_kda layout; 3.80 ms at
-T = 8K with bf16 h against 4.10 for the fused default, but it keeps every 64-chunk's state: 6.4 GB in bf16 at
-128K, H = 96, so "fused" stays the default; ``benchmarks/kda_chunk.py --stored``): the loop above still
+Stored states + parallel output (``output="stored"``, the default, both chunk sizes; fla's chunk_kda layout;
+2.65 ms at T = 8K with bf16 h against 3.06 for "fused", but it keeps every 64-chunk's state while the call runs:
+6.4 GB in bf16 at 128K, H = 96; ``benchmarks/kda_chunk.py --stored``): the fused loop above still
 carries four dependent products per chunk. With "stored" the sequential kernel (the 64-token state kernel,
 also run with BT = 16) only does u = u0 - w S (written to v_new, fp32) and S <- e^{G_last} S + kd^T u, and
-stores the state at the START of every chunk into h [chunks, H, K, V] (fp32, or bf16 with ``h_dtype``);
+stores the state at the START of every chunk into h [chunks, H, K, V] (``h_dtype``: bf16 for bf16 inputs);
 ``_kda_chunk_output_kernel`` then computes o = qg h + Aqk u parallel over (chunk, head, V-block). The 16-token
 prep kernel writes qg, kd, Aqk and G_last for it (``STORE_QKA``), as the 64-token prep already does. Cost: h
-written and read once (chunks * H * K * V * 4 bytes, 4x more at chunk 16 than at 64).
+written and read once (chunks * H * K * V * 2 bytes in bf16, 4x more at chunk 16 than at 64).
 
 Backward: :func:`chunk_kda` is a ``torch.autograd.Function``. Its backward is the Triton backward of
 ``triton_chunk_bwd.py`` (derivation in its docstring) under the forward's flags: its kernels redo the elementwise
@@ -347,9 +348,9 @@ def _bias_cols(dt_bias, i_h, o_c, K: tl.constexpr, USE_GATE: tl.constexpr):
 @triton.jit
 def _ks_left(q, k, g, rows, m_t, i_h, o_c, a_h, bias, lower_bound, ref,
              H: tl.constexpr, K: tl.constexpr, BS: tl.constexpr, USE_GATE: tl.constexpr):
-    """Sweep 1 of a sub-tile whose chunk decay starts at `ref` (e of the sub-tile before, 0 for the first):
-    left factors k e^{G - ref}, q e^{G - ref} (exponents in [-80, 0]), its own right factor k e^{ref - G}
-    (in [0, 80]), kt = k e^{e - G} for the later sub-tiles, e = G at its last row, and the squared norms."""
+    """A sub-tile whose chunk decay starts at `ref` (e of the sub-tile before, 0 for the first): left factors
+    k e^{G - ref}, q e^{G - ref} (exponents in [-80, 0]), its own right factor k e^{ref - G} (in [0, 80]),
+    kt = k e^{e - G} for the later sub-tiles, e = G at its last row, and the squared norms of q and k."""
     bq, bk, G, e = _ks_sub(q, k, g, rows, m_t, i_h, o_c, a_h, bias, lower_bound, ref, H, K, BS, USE_GATE)
     left = tl.exp(G - ref[None, :])
     return (bk * left, bq * left, bk * tl.exp(ref[None, :] - G), bk * tl.exp(e[None, :] - G), e,
@@ -360,17 +361,6 @@ def _ks_left(q, k, g, rows, m_t, i_h, o_c, a_h, bias, lower_bound, ref,
 def _acc2(A, Q, lk, lq, right, DOT_BF16: tl.constexpr):
     # one block of Akk and of Aqk: the same right factor against the k and the q rows
     return A + _mm(lk, tl.trans(right), DOT_BF16), Q + _mm(lq, tl.trans(right), DOT_BF16)
-
-
-@triton.jit
-def _ks_right(q, k, g, rows, m_t, i_h, o_c, a_h, bias, lower_bound, ref, rq, rk, b, qg_buf, col0,
-              H: tl.constexpr, K: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr):
-    """Sweep 2 of a sub-tile (normalised now): stores qg = s q e^G, returns diag(beta) k e^G (w's right-hand
-    side), kt = k e^{e - G} and e."""
-    bq, bk, G, e = _ks_sub(q, k, g, rows, m_t, i_h, o_c, a_h, bias, lower_bound, ref, H, K, BS, USE_GATE)
-    _store_rows(qg_buf, rows, m_t, i_h, bq * rq[:, None] * tl.exp(G), H, K, BS, col0, BK)
-    bk = bk * rk[:, None]
-    return b[:, None] * bk * tl.exp(G), bk * tl.exp(e[None, :] - G), e
 
 
 @triton.jit
@@ -401,47 +391,48 @@ def _inv_norm(ss, USE_L2NORM: tl.constexpr):
 
 
 @triton.jit
-def _kda_chunk64_prep_kernel(
-    q, k, v, g, beta, cu_seqlens, chunk_indices, A_log, dt_bias,
-    w_buf, u_buf, qg_buf, kd_buf, A_buf, gl_buf, scale, lower_bound, T, NT,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BS: tl.constexpr, IS_VARLEN: tl.constexpr,
-    USE_GATE: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, USE_L2NORM: tl.constexpr,
-    DOT_BF16: tl.constexpr, WU_DOT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-):
-    """Per (64-token chunk, head), fully parallel: everything the state loop needs that does not depend on S.
-
-    Writes w, u0 = X diag(beta) (k e^G | v) (X the UT inverse of the whole chunk), qg = s q e^G (q.dtype),
-    kd = k e^{G_last - G}, Aqk [64 rows, 64 cols] (causal, upper blocks zero) and G_last [K].
-    The gate is per channel, so the cumulative decay of a channel slice needs only that slice: the kernel walks
-    K (and V) in slices of BK (BV) channels and keeps [16, BK] tiles and [16, 16] blocks live. (The first
-    version held whole [16, K] rows of all four sub-tiles: 255 registers and 1-2 KB of spills a thread on
-    sm_90a, 4.87 ms at T = 8K, H = 96 on the H200, against 2.92 ms for this one; BENCHMARKS.md.) Three sweeps:
-
-    1. over K: the ten lower blocks of Akk and Aqk from the raw (unnormalised) q, k with the sub-tile
-       references of the module docstring, and the squared norms of q and k;
-    2. (registers only) the norms scale the blocks (``<x_a / |x_a|, y_b / |y_b|>``), the UT inverse
-       X = (I + diag(beta) strict(Akk))^-1 is built by blocks: the diagonal ones by forward substitution, then
-       X_ij = -X_ii sum_{j <= m < i} diag(beta_i) A_im X_mj; Aqk is stored;
-    3. over K again (q, k, g re-read, from L2 at these sizes): qg, kd, G_last and w = X diag(beta) k e^G; then
-       over V: u0 = X diag(beta) v.
-    """
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
+def _chunk_of(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN: tl.constexpr):
+    # (first token of the sequence, its length, chunk index within it) of global chunk i_c
     if IS_VARLEN:
         i_n = tl.load(chunk_indices + 2 * i_c)
         i_t = tl.load(chunk_indices + 2 * i_c + 1)
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     else:  # B sequences of length T, NT chunks each
-        i_n = i_c // NT
         i_t = i_c % NT
-        bos = i_n.to(tl.int64) * T
+        bos = (i_c // NT).to(tl.int64) * T
         eos = bos + T
-    L = eos - bos
+    return bos, eos - bos, i_t
+
+
+@triton.jit
+def _kda_chunk64_prep_kernel(
+    q, k, g, beta, cu_seqlens, chunk_indices, A_log, dt_bias, x_buf, r_buf, A_buf, lower_bound, scale, T, NT,
+    H: tl.constexpr, K: tl.constexpr, BS: tl.constexpr, IS_VARLEN: tl.constexpr,
+    USE_GATE: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, USE_L2NORM: tl.constexpr,
+    DOT_BF16: tl.constexpr, WU_DOT: tl.constexpr, BK: tl.constexpr,
+):
+    """First of the two 64-token prep kernels, per (chunk, head), fully parallel: Aqk and the UT inverse.
+
+    Writes Aqk [64 rows, 64 cols] (causal, upper blocks zero), X diag(beta) [64, 64] (X = (I + diag(beta)
+    strict(Akk))^-1 of the whole chunk, the L2 norms folded in; the blocks above the 16-row diagonal ones are
+    left unwritten) to x_buf and the row scales s / |q|, 1 / |k| to r_buf. It walks K in slices of BK channels
+    (the gate is per channel, so a slice's cumulative decay needs only that slice) with the sub-tile references
+    of the module docstring, keeping the ten lower 16 x 16 blocks of Akk and of Aqk and the squared norms.
+    Then the norms scale the blocks (``<x_a / |x_a|, y_b / |y_b|>``), Aqk is stored, the diagonal blocks of X
+    come from the 16 x 16 forward substitution and X_ij = -X_ii sum_{j <= m < i} diag(beta_i) A_im X_mj.
+
+    Everything [64, K]-shaped (w, u0, qg, kd) is left to ``_kda_chunk64_wu_kernel``, whose products are single
+    [64, 64] x [64, BK] dots. One kernel doing both ran at 4 warps: 2.92 ms at T = 8K, H = 96 on the H200,
+    against 1.02 + 0.87 ms for the two; moving Aqk to the second kernel as well (two masked [64, 64] products a
+    slice) cost it more than it saved here (BENCHMARKS.md, eighth session).
+    """
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    bos, L, i_t = _chunk_of(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
     t0 = i_t * (4 * BS)
     o_s = tl.arange(0, BS)
     strict = o_s[:, None] > o_s[None, :]
-    causal = o_s[:, None] >= o_s[None, :]
     rows0, m0 = _rows_of(bos, L, t0, BS)
     rows1, m1 = _rows_of(bos, L, t0 + BS, BS)
     rows2, m2 = _rows_of(bos, L, t0 + 2 * BS, BS)
@@ -450,8 +441,9 @@ def _kda_chunk64_prep_kernel(
         a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
     else:
         a_h = 0.0
+    causal = o_s[:, None] >= o_s[None, :]
 
-    # ---- sweep 1: raw blocks A_ij (k k) and Q_ij (q k), j <= i, and squared norms
+    # ---- the raw lower blocks A_ij (k k) and Q_ij (q k), j <= i, and the squared norms
     z = tl.zeros([BS, BS], dtype=tl.float32)
     A00, A10, A11, A20, A21, A22, A30, A31, A32, A33 = z, z, z, z, z, z, z, z, z, z
     Q00, Q10, Q11, Q20, Q21, Q22, Q30, Q31, Q32, Q33 = z, z, z, z, z, z, z, z, z, z
@@ -489,7 +481,7 @@ def _kda_chunk64_prep_kernel(
         A32, Q32 = _acc2(A32, Q32, lk, lq, kt2, DOT_BF16)
         A33, Q33 = _acc2(A33, Q33, lk, lq, R, DOT_BF16)
 
-    # ---- between the sweeps: normalise, store Aqk, build X by blocks
+    # ---- normalise, store Aqk, build X by blocks
     rq0, rq1, rq2, rq3 = (_inv_norm(sq0, USE_L2NORM) * scale, _inv_norm(sq1, USE_L2NORM) * scale,
                           _inv_norm(sq2, USE_L2NORM) * scale, _inv_norm(sq3, USE_L2NORM) * scale)
     rk0, rk1, rk2, rk3 = (_inv_norm(sk0, USE_L2NORM), _inv_norm(sk1, USE_L2NORM), _inv_norm(sk2, USE_L2NORM),
@@ -534,45 +526,78 @@ def _kda_chunk64_prep_kernel(
     X31 = -_mm64(X33, _mm64(M31, X11, WU_DOT) + _mm64(M32, X21, WU_DOT), WU_DOT)
     X30 = -_mm64(X33, _mm64(M30, X00, WU_DOT) + _mm64(M31, X10, WU_DOT) + _mm64(M32, X20, WU_DOT), WU_DOT)
 
-    # ---- sweep 2 over K: qg, kd, G_last, w = X diag(beta) (k e^G)
+    # ---- X diag(beta) by 16 x 16 blocks into the chunk's [64, 64] tile; the row scales
+    xb = x_buf + (i_c * H + i_h).to(tl.int64) * (16 * BS * BS) + o_s[:, None] * (4 * BS) + o_s[None, :]
+    RB = BS * 4 * BS  # one block row
+    tl.store(xb, X00 * b0[None, :])
+    tl.store(xb + RB, X10 * b0[None, :])
+    tl.store(xb + RB + BS, X11 * b1[None, :])
+    tl.store(xb + 2 * RB, X20 * b0[None, :])
+    tl.store(xb + 2 * RB + BS, X21 * b1[None, :])
+    tl.store(xb + 2 * RB + 2 * BS, X22 * b2[None, :])
+    tl.store(xb + 3 * RB, X30 * b0[None, :])
+    tl.store(xb + 3 * RB + BS, X31 * b1[None, :])
+    tl.store(xb + 3 * RB + 2 * BS, X32 * b2[None, :])
+    tl.store(xb + 3 * RB + 3 * BS, X33 * b3[None, :])
+    tl.store(r_buf + (rows0 * H + i_h) * 2, rq0, mask=m0)
+    tl.store(r_buf + (rows1 * H + i_h) * 2, rq1, mask=m1)
+    tl.store(r_buf + (rows2 * H + i_h) * 2, rq2, mask=m2)
+    tl.store(r_buf + (rows3 * H + i_h) * 2, rq3, mask=m3)
+    tl.store(r_buf + (rows0 * H + i_h) * 2 + 1, rk0, mask=m0)
+    tl.store(r_buf + (rows1 * H + i_h) * 2 + 1, rk1, mask=m1)
+    tl.store(r_buf + (rows2 * H + i_h) * 2 + 1, rk2, mask=m2)
+    tl.store(r_buf + (rows3 * H + i_h) * 2 + 1, rk3, mask=m3)
+
+
+@triton.jit
+def _kda_chunk64_wu_kernel(
+    q, k, v, g, cu_seqlens, chunk_indices, A_log, dt_bias, x_buf, r_buf,
+    w_buf, u_buf, qg_buf, kd_buf, gl_buf, lower_bound, T, NT,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    USE_GATE: tl.constexpr, WU_DOT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    """Second 64-token prep kernel, per (chunk, head), fully parallel, on whole-chunk [64, BK] tiles: with
+    Xb = X diag(beta) and the row scales from ``_kda_chunk64_prep_kernel``, w = Xb (k / |k|) e^G and u0 = Xb v
+    are single [64, 64] x [64, BK] products; qg = s q / |q| e^G, kd = k / |k| e^{G_last - G} and G_last come
+    from the same tiles. G spans (-320, 0] over the chunk: only e^G and e^{G_last - G} (both <= 1) are formed.
+    """
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    bos, L, i_t = _chunk_of(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
+    rows, m_t = _rows_of(bos, L, i_t * BT, BT)
+    m2 = m_t[:, None]
+    o_t = tl.arange(0, BT)
+    # blocks above the 16-row diagonal blocks are zero and were never written
+    xb = tl.load(x_buf + (i_c * H + i_h).to(tl.int64) * (BT * BT) + o_t[:, None] * BT + o_t[None, :],
+                 mask=(o_t[:, None] // 16) >= (o_t[None, :] // 16), other=0.0)
+    rq = tl.load(r_buf + (rows * H + i_h) * 2, mask=m_t, other=0.0)
+    rk = tl.load(r_buf + (rows * H + i_h) * 2 + 1, mask=m_t, other=0.0)
+    if USE_GATE:
+        a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    else:
+        a_h = 0.0
     for kk in range(0, K, BK):
         o_c = kk + tl.arange(0, BK)
         bias = _bias_cols(dt_bias, i_h, o_c, K, USE_GATE)
-        zc = tl.zeros([BK], dtype=tl.float32)
-        B0, kt0, e0 = _ks_right(q, k, g, rows0, m0, i_h, o_c, a_h, bias, lower_bound, zc, rq0, rk0, b0, qg_buf, kk,
-                                H, K, BS, BK, USE_GATE)
-        B1, kt1, e1 = _ks_right(q, k, g, rows1, m1, i_h, o_c, a_h, bias, lower_bound, e0, rq1, rk1, b1, qg_buf, kk,
-                                H, K, BS, BK, USE_GATE)
-        B2, kt2, e2 = _ks_right(q, k, g, rows2, m2, i_h, o_c, a_h, bias, lower_bound, e1, rq2, rk2, b2, qg_buf, kk,
-                                H, K, BS, BK, USE_GATE)
-        B3, kt3, e3 = _ks_right(q, k, g, rows3, m3, i_h, o_c, a_h, bias, lower_bound, e2, rq3, rk3, b3, qg_buf, kk,
-                                H, K, BS, BK, USE_GATE)
-        # kd_j = k_j e^{G_last - G_j} = kt_j e^{e3 - e_j}: both exponents <= 0
-        _store_rows(kd_buf, rows0, m0, i_h, kt0 * tl.exp(e3 - e0)[None, :], H, K, BS, kk, BK)
-        _store_rows(kd_buf, rows1, m1, i_h, kt1 * tl.exp(e3 - e1)[None, :], H, K, BS, kk, BK)
-        _store_rows(kd_buf, rows2, m2, i_h, kt2 * tl.exp(e3 - e2)[None, :], H, K, BS, kk, BK)
-        _store_rows(kd_buf, rows3, m3, i_h, kt3, H, K, BS, kk, BK)
-        tl.store(gl_buf + (i_c * H + i_h).to(tl.int64) * K + o_c, e3)
-        _store_rows(w_buf, rows0, m0, i_h, _mm64(X00, B0, WU_DOT), H, K, BS, kk, BK)
-        _store_rows(w_buf, rows1, m1, i_h, _mm64(X10, B0, WU_DOT) + _mm64(X11, B1, WU_DOT), H, K, BS, kk, BK)
-        _store_rows(w_buf, rows2, m2, i_h, _mm64(X20, B0, WU_DOT) + _mm64(X21, B1, WU_DOT) + _mm64(X22, B2, WU_DOT),
-                    H, K, BS, kk, BK)
-        _store_rows(w_buf, rows3, m3, i_h, _mm64(X30, B0, WU_DOT) + _mm64(X31, B1, WU_DOT) + _mm64(X32, B2, WU_DOT)
-                    + _mm64(X33, B3, WU_DOT), H, K, BS, kk, BK)
-
-    # ---- sweep over V: u0 = X diag(beta) v
+        p = (rows[:, None] * H + i_h) * K + o_c[None, :]
+        b_q = tl.load(q + p, mask=m2, other=0.0).to(tl.float32) * rq[:, None]
+        b_k = tl.load(k + p, mask=m2, other=0.0).to(tl.float32) * rk[:, None]
+        b_g = tl.load(g + p, mask=m2, other=0.0).to(tl.float32)
+        if USE_GATE:
+            b_g = tl.where(m2, lower_bound * tl.sigmoid(a_h * (b_g + bias[None, :])), 0.0)
+        G = tl.cumsum(b_g, axis=0)  # [BT, BK]
+        gl = tl.sum(tl.where(o_t[:, None] == BT - 1, G, 0.0), axis=0)  # G_last [BK]
+        eG = tl.exp(G)
+        tl.store(qg_buf + p, (b_q * eG).to(qg_buf.dtype.element_ty), mask=m2)
+        tl.store(kd_buf + p, (b_k * tl.exp(gl[None, :] - G)).to(kd_buf.dtype.element_ty), mask=m2)
+        tl.store(gl_buf + (i_c * H + i_h).to(tl.int64) * K + o_c, gl)
+        tl.store(w_buf + p, _mm64(xb, b_k * eG, WU_DOT).to(w_buf.dtype.element_ty), mask=m2)
     for vv in range(0, V, BV):
         o_c = vv + tl.arange(0, BV)
-        B0 = b0[:, None] * _load_cols(v, rows0, m0, i_h, o_c, H, V)
-        B1 = b1[:, None] * _load_cols(v, rows1, m1, i_h, o_c, H, V)
-        B2 = b2[:, None] * _load_cols(v, rows2, m2, i_h, o_c, H, V)
-        B3 = b3[:, None] * _load_cols(v, rows3, m3, i_h, o_c, H, V)
-        _store_rows(u_buf, rows0, m0, i_h, _mm64(X00, B0, WU_DOT), H, V, BS, vv, BV)
-        _store_rows(u_buf, rows1, m1, i_h, _mm64(X10, B0, WU_DOT) + _mm64(X11, B1, WU_DOT), H, V, BS, vv, BV)
-        _store_rows(u_buf, rows2, m2, i_h, _mm64(X20, B0, WU_DOT) + _mm64(X21, B1, WU_DOT) + _mm64(X22, B2, WU_DOT),
-                    H, V, BS, vv, BV)
-        _store_rows(u_buf, rows3, m3, i_h, _mm64(X30, B0, WU_DOT) + _mm64(X31, B1, WU_DOT) + _mm64(X32, B2, WU_DOT)
-                    + _mm64(X33, B3, WU_DOT), H, V, BS, vv, BV)
+        b_v = _load_cols(v, rows, m_t, i_h, o_c, H, V)
+        tl.store(u_buf + (rows[:, None] * H + i_h) * V + o_c[None, :],
+                 _mm64(xb, b_v, WU_DOT).to(u_buf.dtype.element_ty), mask=m2)
+
 
 
 @triton.jit
@@ -658,17 +683,7 @@ def _kda_chunk_output_kernel(
     i_c = tl.program_id(0)  # global chunk index (sequence-major)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + 2 * i_c)
-        i_t = tl.load(chunk_indices + 2 * i_c + 1)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    else:
-        i_n = i_c // NT
-        i_t = i_c % NT
-        bos = i_n.to(tl.int64) * T
-        eos = bos + T
-    L = eos - bos
+    bos, L, i_t = _chunk_of(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
     o_t = tl.arange(0, BT)
     o_v = i_v * BV + tl.arange(0, BV)
     m_t = i_t * BT + o_t < L
@@ -710,32 +725,37 @@ def chunk_kda_fwd(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=-5.0,
     use_beta_sigmoid_in_kernel=False, out=None, block_v=None, num_warps=4, split=True, chunk_size=64,
-    num_stages=None, prep_num_warps=None, state_dot="bf16", lowp_buffers=True, output="fused", h_dtype=None,
+    num_stages=None, prep_num_warps=None, state_dot="bf16", lowp_buffers=True, output="stored", h_dtype=None,
     out_block_v=None, out_num_warps=None, out_num_stages=None,
 ):
     """Forward only (no autograd). ``out`` (optional, [B, T, H, V], v.dtype) receives the output.
 
-    ``output="fused"`` (default): the sequential kernel computes o itself (the paths described below).
-    ``output="stored"`` (fla's chunk_kda layout, both chunk sizes): prep as below, then the sequential kernel
-    only computes u = u0 - w S ("v_new", fp32 [B, T, H, V]; q.dtype with ``lowp_buffers``) and stores the
-    state at the start of every chunk into h [chunks, H, K, V] (fp32, or ``h_dtype=torch.bfloat16``), then a
-    fully parallel kernel over (chunk, head, V-block) computes o = qg h + Aqk u (see ``_stored_fwd``).
-    Tuning: ``block_v`` / ``num_warps`` / ``num_stages`` for the state kernel, ``prep_num_warps`` for the prep
-    kernel, ``out_block_v`` / ``out_num_warps`` / ``out_num_stages`` for the output kernel (defaults
-    min(V, 64) / 4 / 2).
+    ``output="stored"`` (default; fla's chunk_kda layout, both chunk sizes): prep as below, then the sequential
+    kernel only computes u = u0 - w S ("v_new", fp32 [B, T, H, V]; q.dtype with ``lowp_buffers``) and stores
+    the state at the start of every chunk into h [chunks, H, K, V] (``h_dtype``: default bf16 for bf16 inputs,
+    as fla, fp32 otherwise), then a fully parallel kernel over (chunk, head, V-block) computes
+    o = qg h + Aqk u (see ``_stored_fwd``). h costs chunks * H * K * V * 2 bytes (bf16) while the call runs:
+    6.4 GB at T = 128K, H = 96, K = V = 128, as much as the fp32 u0 buffer both paths hold.
+    ``output="fused"``: the sequential kernel computes o itself and no h is kept (for the longest single-call
+    prefills when memory is short; 15 % slower at T = 8K).
+    Tuning: ``block_v`` / ``num_warps`` / ``num_stages`` for the state kernel (block_v default min(V, 64)
+    stored, min(V, 32) fused), ``prep_num_warps`` for the first prep kernel, ``out_block_v`` /
+    ``out_num_warps`` / ``out_num_stages`` for the output kernel (defaults min(V, 128) / 4 / 2).
 
-    ``chunk_size=64`` (the default): the two-kernel 64-token path (``_kda_chunk64_prep_kernel`` parallel over
-    (chunk, head), then ``_kda_chunk64_state_kernel`` sequential over chunks; ``split`` is ignored).
-    ``num_warps`` / ``num_stages`` tune the sequential kernel (default num_stages 2, falling back to 1 when
-    shared memory is short), ``prep_num_warps`` the prep kernel (default 4).
+    ``chunk_size=64`` (the default): the 64-token path, parallel prep over (chunk, head) in two kernels
+    (``_kda_chunk64_prep_kernel``: Aqk and the UT inverse; ``_kda_chunk64_wu_kernel``: w, u0, qg, kd), then
+    ``_kda_chunk64_state_kernel`` sequential over chunks; ``split`` is ignored. ``num_warps`` / ``num_stages``
+    tune the sequential kernel (default num_stages 2, falling back to 1 when shared memory is short),
+    ``prep_num_warps`` the first prep kernel (1, the default, or 2).
     ``state_dot`` (bf16 inputs only): "bf16" (default, as fla's chunk_kda) or "tf32" operands for the products
     against the state, which itself stays fp32 (registers, initial and final state); fp32 inputs always use
     exact fp32 dots. ``lowp_buffers=True`` (default; bf16 inputs) also stores the kd and Aqk intermediates in
     q.dtype (~0.75 KB less HBM traffic per token-head at K = 128, written once and read at least once).
-    Measured on the H200 at T = 8K, H = 96, K = V = 128 (BENCHMARKS.md, fifth session): 4.10 ms with these
-    defaults, 4.73 with lowp_buffers=False, 6.06 with state_dot="tf32" as well, 6.37 for the 16-token path; the
-    final state moves 4.2e-3 (relative, max norm) from the tf32 16-token path's, o 5.5e-3; fla's chunk_kda, with
-    bf16 state products too, measured 4.0e-3 / 5.3e-3 from the fp32 reference in the same kind of check.
+    Measured on the H200 at T = 8K, H = 96, K = V = 128 (BENCHMARKS.md, eighth session): 2.65 ms with these
+    defaults (fla's chunk_kda 2.61 ms in the same run), 3.06 ms with output="fused" (the fifth session's
+    single-kernel prep: 4.10 ms; 4.73 with lowp_buffers=False, 6.06 with state_dot="tf32" as well, 6.37 for the
+    16-token path). At T = 300 the fp32-reference distances are o 5.5e-3, S 3.6e-3 in both outputs; fla's
+    chunk_kda, with bf16 state products too, measured 4.0e-3 / 5.3e-3 in the same kind of check.
 
     ``chunk_size=16`` with ``split=True``: the 16-token kernel (tf32 state products, fp32 buffers).
     ``split=True``: w, u0 are first computed for all chunks in parallel (``_kda_chunk_prep_kernel``; w in
@@ -745,6 +765,11 @@ def chunk_kda_fwd(
     """
     if chunk_size not in (16, 64):
         raise ValueError(f"chunk_size must be 16 or 64, got {chunk_size}")
+    if chunk_size == 64 and prep_num_warps not in (None, 1, 2):
+        # The first 64-token prep kernel multiplies 16 x 16 tiles, which at most two warps can share. With
+        # 4 warps, 16-channel slices and bf16 inputs it gave wrong outputs on the H200 (triton 3.6; BENCHMARKS.md,
+        # eighth session), so larger values are refused rather than run.
+        raise ValueError(f"prep_num_warps must be 1 or 2 for chunk_size=64, got {prep_num_warps}")
     if state_dot not in (None, "tf32", "bf16"):
         raise ValueError(f"state_dot must be None, 'tf32' or 'bf16', got {state_dot!r}")
     if output not in ("fused", "stored"):
@@ -773,7 +798,7 @@ def chunk_kda_fwd(
         raise ValueError(f"out must be a contiguous [B, T, H, V] = {[B, T, H, V]} tensor of dtype {v.dtype}")
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
     h0 = initial_state.float().contiguous() if initial_state is not None else None
-    BV = block_v or min(V, 32)
+    BV = block_v or min(V, 64 if output == "stored" else 32)
     if V % BV or not _is_pow2(BV):
         raise ValueError(f"block_v must be a power of two >= 16 dividing V = {V}, got {BV}")
     dummy = q  # placeholder pointer for unused arguments
@@ -781,12 +806,13 @@ def chunk_kda_fwd(
     dot_mode = 0 if q.dtype != torch.bfloat16 else 2 if os.environ.get("TRITON_INTERPRET") == "1" else 1
     gate_args = (A_log.contiguous(), dt_bias.contiguous()) if use_gate_in_kernel else (dummy, dummy)
     if output == "stored":
-        OBV = out_block_v or min(V, 64)
+        OBV = out_block_v or min(V, 128)
         if V % OBV or not _is_pow2(OBV):
             raise ValueError(f"out_block_v must be a power of two >= 16 dividing V = {V}, got {OBV}")
         _stored_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, float(scale), float(lower_bound),
                     (B, T, H, K, V, N), chunk_size, BV, OBV, dot_mode, num_warps, num_stages, prep_num_warps,
-                    out_num_warps or 4, out_num_stages, state_dot, bool(lowp_buffers), h_dtype or torch.float32,
+                    out_num_warps or 4, out_num_stages, state_dot, bool(lowp_buffers),
+                    h_dtype or (torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32),
                     (bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel), bool(use_qk_l2norm_in_kernel)))
         return out, ht
     if chunk_size == 64:
@@ -831,16 +857,32 @@ def chunk_kda_fwd(
     return out, ht
 
 
-# Channels per slice of the 64-token prep kernel (its K and V sweeps); module-level so a benchmark can sweep it.
-_PREP64_BLOCK = 32
+# Launch settings of the two 64-token prep kernels; module-level so a benchmark can sweep them. Measured on the
+# H200 at T = 8K, H = 96, K = V = 128 (BENCHMARKS.md, eighth session).
+_PREP64_BLOCK = 16  # channels per slice of the inverse kernel's K sweep
+_PREP64_WARPS = 1
+_WU64 = (32, 64, 2)  # (BK, BV, num_warps) of the w / u0 kernel
 
 
 def _launch_prep64(n_chunks, args, H, K, V, is_varlen, flags, dot_mode, wu_dot, prep_num_warps):
+    """The two 64-token prep kernels: Aqk and the UT inverse (into an fp32 [chunks, H, 64, 64] scratch), then
+    w, u0, qg, kd and G_last."""
     use_gate, use_bsig, use_l2 = flags
+    (q, k, v, g, beta, cu_all, chunk_indices, A_log, dt_bias,
+     w_buf, u_buf, qg_buf, kd_buf, A_buf, gl_buf, scale, lower_bound, T, NT) = args
+    x_buf = torch.empty(n_chunks, H, _BT64, _BT64, dtype=torch.float32, device=q.device)
+    r_buf = torch.empty(*q.shape[:3], 2, dtype=torch.float32, device=q.device)  # s / |q|, 1 / |k|
     _kda_chunk64_prep_kernel[(n_chunks, H)](
-        *args, H=H, K=K, V=V, BS=_BS, IS_VARLEN=is_varlen, USE_GATE=use_gate, USE_BETA_SIGMOID=use_bsig,
-        USE_L2NORM=use_l2, DOT_BF16=dot_mode, WU_DOT=wu_dot, BK=min(K, _PREP64_BLOCK), BV=min(V, _PREP64_BLOCK),
-        num_warps=prep_num_warps or 4,
+        q, k, g, beta, cu_all, chunk_indices, A_log, dt_bias, x_buf, r_buf, A_buf, lower_bound, scale, T, NT,
+        H=H, K=K, BS=_BS, IS_VARLEN=is_varlen, USE_GATE=use_gate, USE_BETA_SIGMOID=use_bsig, USE_L2NORM=use_l2,
+        DOT_BF16=dot_mode, WU_DOT=wu_dot, BK=min(K, _PREP64_BLOCK), num_warps=prep_num_warps or _PREP64_WARPS,
+    )
+    bk, bv, nw = _WU64
+    _kda_chunk64_wu_kernel[(n_chunks, H)](
+        q, k, v, g, cu_all, chunk_indices, A_log, dt_bias, x_buf, r_buf,
+        w_buf, u_buf, qg_buf, kd_buf, gl_buf, lower_bound, T, NT,
+        H=H, K=K, V=V, BT=_BT64, IS_VARLEN=is_varlen, USE_GATE=use_gate, WU_DOT=wu_dot,
+        BK=min(K, bk), BV=min(V, bv), num_warps=nw,
     )
 
 
@@ -1130,7 +1172,7 @@ def chunk_kda(
     dt_bias: torch.Tensor | None = None,
     lower_bound: float = -5.0,
     use_beta_sigmoid_in_kernel: bool = False,
-    output: str = "fused",
+    output: str = "stored",
     forward_options: dict | None = None,
 ):
     """Chunked KDA forward (Triton) with autograd.

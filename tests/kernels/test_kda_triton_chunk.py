@@ -237,11 +237,12 @@ def test_bad_inputs_raise():
 @pytest.mark.parametrize("T", [1, 17, 64, 100])
 @pytest.mark.parametrize("split", [False, True])
 def test_chunk16_path_vs_reference(T, split):
-    """chunk_size=16; split=True: w, u0 from the parallel prep kernel, state loop separate."""
+    """chunk_size=16, output="fused"; split=True: w, u0 from the parallel prep kernel, state loop separate."""
     x = make_inputs(T=T, V=32, with_h0=True, seed=80 + T)
     o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["z"], x["beta_raw"], initial_state=x["h0"],
                          output_final_state=True, use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
-                         use_beta_sigmoid_in_kernel=True, split=split, block_v=16, chunk_size=16)
+                         use_beta_sigmoid_in_kernel=True, split=split, block_v=16, chunk_size=16,
+                         output="fused")
     o_r, S_r = R.chunk_kda(x["q"], x["k"], x["v"], x["g"], torch.sigmoid(x["beta_raw"]), initial_state=x["h0"],
                            output_final_state=True)
     assert rel_err(o, o_r) <= 1e-4 and rel_err(S, S_r) <= 1e-4
@@ -256,7 +257,8 @@ def test_split_path_varlen_l2norm(dtype, chunk_size):
     cu_t = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
     out = torch.full((1, 100, 2, 16), float("nan"), dtype=dtype, device=DEVICE)
     o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True,
-                         cu_seqlens=cu_t, use_qk_l2norm_in_kernel=True, split=True, out=out, chunk_size=chunk_size)
+                         cu_seqlens=cu_t, use_qk_l2norm_in_kernel=True, split=True, out=out, chunk_size=chunk_size,
+                         output="fused")
     assert torch.isfinite(out).all()
     f = {n: x[n].float() for n in ("q", "k", "v", "g", "beta")}
     o_r, S_r = R.chunk_kda(f["q"], f["k"], f["v"], f["g"], f["beta"], initial_state=x["h0"], output_final_state=True,
@@ -289,12 +291,13 @@ def test_chunk64_sizes_vs_reference(T):
     assert rel_err(o, o_r) <= 1e-4 and rel_err(S, S_r) <= 1e-4
 
 
+@pytest.mark.parametrize("output", ["stored", "fused"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("K,block,cu,seed", [
     (32, 32, [0, 64, 65, 65, 128, 200, 263], 120),  # boundaries at and inside chunks, a 1-token and an empty one
     (64, 16, [0, 30, 64, 150], 170),  # K and V walked in 4 and 2 channel slices by the prep kernel
 ])
-def test_chunk64_varlen_chunk_edges(dtype, K, block, cu, seed, monkeypatch):
+def test_chunk64_varlen_chunk_edges(dtype, K, block, cu, seed, output, monkeypatch):
     """Varlen boundaries at chunk edges and inside chunks, partial last chunks; in-kernel gate, beta sigmoid and
     L2 norm; per-sequence initial states; NaN-poisoned out; the prep kernel's channel slices set to `block`."""
     import k3_kernels.kda.triton_chunk as TC
@@ -307,7 +310,8 @@ def test_chunk64_varlen_chunk_edges(dtype, K, block, cu, seed, monkeypatch):
     o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["z"], x["beta_raw"], initial_state=x["h0"],
                          output_final_state=True, cu_seqlens=cu_t, use_qk_l2norm_in_kernel=True,
                          use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
-                         use_beta_sigmoid_in_kernel=True, out=out, chunk_size=64, num_stages=1, prep_num_warps=4)
+                         use_beta_sigmoid_in_kernel=True, out=out, chunk_size=64, num_stages=1, prep_num_warps=2,
+                         output=output)
     assert torch.isfinite(out).all() and S.shape == (N, 2, K, 32)
     o_r, S_r = R.chunk_kda(x["q"].float(), x["k"].float(), x["v"].float(), x["g"], torch.sigmoid(x["beta_raw"]),
                            initial_state=x["h0"], output_final_state=True, cu_seqlens=cu_t,
@@ -363,6 +367,8 @@ def test_chunk64_bad_options_raise():
         chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=32)
     with pytest.raises(ValueError, match="state_dot"):
         chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], state_dot="fp8")
+    with pytest.raises(ValueError, match="prep_num_warps"):
+        chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], prep_num_warps=4)
 
 
 def test_chunk64_correlated_keys_bf16():
@@ -406,7 +412,7 @@ def test_stored_vs_reference_and_fused(T, dtype, chunk_size):
     differ only in what "stored" keeps; the bf16 defaults are held to the reference in the tests above."""
     x = make_inputs(T=T, K=16, V=32, with_h0=True, dtype=dtype, seed=200 + T, gate_shift=-5.0)
     (o, S), (o_f, S_f) = _stored_and_fused(x, dtype, chunk_size, block_v=16, out_block_v=16, state_dot="tf32",
-                                           lowp_buffers=False)
+                                           lowp_buffers=False, h_dtype=torch.float32)
     assert o.dtype == dtype and S.dtype == torch.float32 and S.shape == (2, 2, 16, 32)
     f = {n: x[n].float() for n in ("q", "k", "v", "g", "beta")}
     o_r, S_r = R.chunk_kda(f["q"], f["k"], f["v"], f["g"], f["beta"], initial_state=x["h0"], output_final_state=True)
