@@ -326,7 +326,8 @@ def _store_rows(ptr, rows, m_t, i_h, x, H: tl.constexpr, D: tl.constexpr, BS: tl
 @triton.jit
 def _ks_sub(q, k, g, rows, m_t, i_h, o_c, a_h, bias, lower_bound, carry,
             H: tl.constexpr, K: tl.constexpr, BS: tl.constexpr, USE_GATE: tl.constexpr):
-    """Channels o_c [BK] of one 16-token sub-tile: raw q, k (fp32, not normalised) and G = carry + cumsum(g)."""
+    """Channels o_c [BK] of BS rows (a 16-token sub-tile or a whole chunk): raw q, k (fp32, not normalised),
+    G = carry + cumsum(g) and G at the last row."""
     p = (rows[:, None] * H + i_h) * K + o_c[None, :]
     m2 = m_t[:, None]
     b_q = tl.load(q + p, mask=m2, other=0.0).to(tl.float32)
@@ -580,13 +581,11 @@ def _kda_chunk64_wu_kernel(
         o_c = kk + tl.arange(0, BK)
         bias = _bias_cols(dt_bias, i_h, o_c, K, USE_GATE)
         p = (rows[:, None] * H + i_h) * K + o_c[None, :]
-        b_q = tl.load(q + p, mask=m2, other=0.0).to(tl.float32) * rq[:, None]
-        b_k = tl.load(k + p, mask=m2, other=0.0).to(tl.float32) * rk[:, None]
-        b_g = tl.load(g + p, mask=m2, other=0.0).to(tl.float32)
-        if USE_GATE:
-            b_g = tl.where(m2, lower_bound * tl.sigmoid(a_h * (b_g + bias[None, :])), 0.0)
-        G = tl.cumsum(b_g, axis=0)  # [BT, BK]
-        gl = tl.sum(tl.where(o_t[:, None] == BT - 1, G, 0.0), axis=0)  # G_last [BK]
+        # the whole chunk as one tile: G [BT, BK] from the chunk start, gl = G_last
+        b_q, b_k, G, gl = _ks_sub(q, k, g, rows, m_t, i_h, o_c, a_h, bias, lower_bound,
+                                  tl.zeros([BK], dtype=tl.float32), H, K, BT, USE_GATE)
+        b_q = b_q * rq[:, None]
+        b_k = b_k * rk[:, None]
         eG = tl.exp(G)
         tl.store(qg_buf + p, (b_q * eG).to(qg_buf.dtype.element_ty), mask=m2)
         tl.store(kd_buf + p, (b_k * tl.exp(gl[None, :] - G)).to(kd_buf.dtype.element_ty), mask=m2)
