@@ -48,7 +48,8 @@ fp32 [64, 64] scratch) and ``_kda_chunk64_wu_kernel`` (whole-chunk [64, K] tiles
 [64, 64] x [64, BK] products, qg = s q e^G (q.dtype), kd = k e^{G_last - G}, G_last).
 ``_kda_chunk64_state_kernel`` (sequential over chunks per (sequence, head, V-block)) then only does
 u = u0 - w S, o = qg S + Aqk u, S <- e^{G_last} S + kd^T u. Chunks never cross a sequence boundary
-(per-sequence chunk indices, the last chunk of a sequence partial and masked). Precision of the buffers and dots: see ``_chunk64_fwd``.
+(per-sequence chunk indices, the last chunk of a sequence partial and masked). Precision of the buffers and
+dots: see ``_chunk64_fwd``.
 
 Stored states + parallel output (``output="stored"``, the default, both chunk sizes; fla's chunk_kda layout;
 2.65 ms at T = 8K with bf16 h against 3.06 for "fused", but it keeps every 64-chunk's state while the call runs:
@@ -974,11 +975,12 @@ def _stored_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, low
     """``output="stored"``: prep (parallel) -> state kernel storing h and u (sequential) -> output (parallel).
 
     Buffers as in ``_chunk64_fwd`` (w, qg in q.dtype; kd, Aqk fp32 unless ``lowp_buffers``; u0 fp32), plus
-    h [chunks, H, K, V] in ``h_dtype`` (fp32 default: bf16 rounds the state that every token's qg h reads,
-    ~4e-3 relative) and v_new [B, T, H, V] fp32 (u = u0 - w S is a difference of nearly equal terms when keys
-    repeat, and the fused path multiplies it by Aqk from fp32 registers; q.dtype with ``lowp_buffers``).
-    HBM cost of h: chunks * H * K * V * 4 B written once and read once (at T = 8K, H = 96, K = V = 128:
-    0.8 GB at chunk 64, 3.2 GB at chunk 16, which is why fla stores it at chunk 64 only).
+    h [chunks, H, K, V] in ``h_dtype`` (chunk_kda_fwd's default: bf16 for bf16 inputs, which rounds the state
+    every token's qg h reads exactly as the fused path's bf16 state products do; fp32 otherwise) and
+    v_new [B, T, H, V] fp32 (u = u0 - w S is a difference of nearly equal terms when keys repeat, and the fused
+    path multiplies it by Aqk from fp32 registers; q.dtype with ``lowp_buffers``).
+    HBM cost of h: chunks * H * K * V * 2 B in bf16, written once and read once (at T = 8K, H = 96,
+    K = V = 128: 0.4 GB at chunk 64, 1.6 GB at chunk 16, which is why fla stores it at chunk 64 only).
     """
     B, T, H, K, V, N = dims
     use_gate, use_bsig, use_l2 = flags
