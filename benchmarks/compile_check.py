@@ -163,6 +163,11 @@ def _kda_cases():
             q, q, q, g, beta, q, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **gate)
         yield "kda chunk backward, l2norm only (the model's call)", lambda: chunk_kda_bwd(
             q, q, q, g, beta, q, use_qk_l2norm_in_kernel=True)
+        # the 64-token backward (recompute through the forward's kernels with X / Akk kept, then three kernels)
+        yield "kda chunk64 backward", lambda: chunk_kda_bwd(q, q, q, g, beta, q, initial_state=h0, dht=h0,
+                                                            chunk_size=64)
+        yield "kda chunk64 backward, in-kernel gate/l2norm/beta", lambda: chunk_kda_bwd(
+            q, q, q, g, beta, q, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, chunk_size=64, **gate)
     yield "kda recurrent", lambda: fused_recurrent_kda(
         q[:, :1], q[:, :1], q[:, :1], g[:, :1], beta[:, :1], initial_state=torch.zeros(B, H, K, K),
         output_final_state=True)

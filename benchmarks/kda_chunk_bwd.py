@@ -3,7 +3,7 @@
 Shapes: B = 1, H = 96, K = V = 128, bf16 q/k/v/z/beta, fp32 A_log/dt_bias and h0; T = 8K and 32K. Both run
 with the in-kernel gate (`lower_bound * sigmoid(exp(A_log) * (z + dt_bias))`, lower_bound = -5), in-kernel
 beta sigmoid and q/k L2 norm. Our forward is `triton_chunk.chunk_kda_fwd`, our backward the Triton core of
-`kernels/kda/triton_chunk_bwd.py` (per-chunk states stored in fp32, and in bf16 as a second row).
+`kernels/kda/triton_chunk_bwd.py` (16-token chunks with fp32 and with bf16 stored states, then 64-token chunks).
 
 First a gradient-agreement check at a small shape: every gradient (q, k, v, z, beta logits, A_log, dt_bias,
 h0) of ours and of fla against autograd through the fp32 torch reference (rel_err = max|a - b| / max|b|).
@@ -190,9 +190,9 @@ def main():
         print()
 
     print("## forward + backward, B=1, H=96, K=V=128, bf16, in-kernel gate / beta sigmoid / L2 norm\n")
-    print("| T | ours fwd ms | ours fwd+bwd ms (fp32 states) | ours fwd+bwd ms (bf16 states) | fla fwd ms "
-          "| fla fwd+bwd ms | fla / ours fwd+bwd |")
-    print("|---|---|---|---|---|---|---|")
+    print("| T | ours fwd ms | ours fwd+bwd ms (16-token bwd, fp32 states) | ours fwd+bwd ms (16-token bwd, bf16 "
+          "states: default) | ours fwd+bwd ms (64-token bwd) | fla fwd ms | fla fwd+bwd ms | fla / ours best |")
+    print("|---|---|---|---|---|---|---|---|")
     for T in (int(t) for t in args.ts.split(",")):
         x = inputs(T)
         do = torch.randn(1, T, H, V, device=DEV).bfloat16()
@@ -208,8 +208,9 @@ def main():
 
         t_of = bench(lambda: fwd(ours))
         times = []
-        for sd in (torch.float32, torch.bfloat16):
-            TC._ChunkKDAFunction.bwd_options = dict(state_dtype=sd)
+        # the 16-token backward with fp32 and with bf16 stored states (the default), the 64-token backward
+        for opts in (dict(state_dtype=torch.float32), {}, dict(chunk_size=64)):
+            TC._ChunkKDAFunction.bwd_options = opts
             try:
                 times.append(bench(lambda: fb(ours)))
             except torch.OutOfMemoryError:
@@ -221,7 +222,8 @@ def main():
             fb(fla)  # autotune outside the timing
             t_ff, t_fb = bench(lambda: fwd(fla)), bench(lambda: fb(fla))
         best = min(times)
-        print(f"| {T} | {t_of:.2f} | {times[0]:.2f} | {times[1]:.2f} | {t_ff:.2f} | {t_fb:.2f} | {t_fb / best:.2f}x |")
+        print(f"| {T} | {t_of:.2f} | {times[0]:.2f} | {times[1]:.2f} | {times[2]:.2f} | {t_ff:.2f} | {t_fb:.2f} "
+              f"| {t_fb / best:.2f}x |")
         del x, do
         torch.cuda.empty_cache()
 

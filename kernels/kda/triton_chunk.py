@@ -325,6 +325,15 @@ def _store_rows(ptr, rows, m_t, i_h, x, H: tl.constexpr, D: tl.constexpr, BS: tl
 
 
 @triton.jit
+def _store_block_row(ptr, rows, m_t, i_h, x0, x1, x2, x3, H: tl.constexpr, BS: tl.constexpr):
+    # the four [BS, BS] blocks of one block row of a 64-chunk's [64, 64] matrix, stored by rows ([.., H, 4 BS])
+    _store_rows(ptr, rows, m_t, i_h, x0, H, 4 * BS, BS, 0, BS)
+    _store_rows(ptr, rows, m_t, i_h, x1, H, 4 * BS, BS, BS, BS)
+    _store_rows(ptr, rows, m_t, i_h, x2, H, 4 * BS, BS, 2 * BS, BS)
+    _store_rows(ptr, rows, m_t, i_h, x3, H, 4 * BS, BS, 3 * BS, BS)
+
+
+@triton.jit
 def _ks_sub(q, k, g, rows, m_t, i_h, o_c, a_h, bias, lower_bound, carry,
             H: tl.constexpr, K: tl.constexpr, BS: tl.constexpr, USE_GATE: tl.constexpr):
     """Channels o_c [BK] of BS rows (a 16-token sub-tile or a whole chunk): raw q, k (fp32, not normalised),
@@ -408,11 +417,26 @@ def _chunk_of(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _seq_of(cu_seqlens, chunk_offsets, i_n, T, NT, IS_VARLEN: tl.constexpr):
+    # (first token, length, first global chunk) of sequence i_n, for the kernels sequential over its chunks
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:  # B sequences of length T, NT chunks each
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+        c0 = i_n.to(tl.int64) * NT
+    return bos, eos - bos, c0
+
+
+@triton.jit
 def _kda_chunk64_prep_kernel(
-    q, k, g, beta, cu_seqlens, chunk_indices, A_log, dt_bias, x_buf, r_buf, A_buf, lower_bound, scale, T, NT,
+    q, k, g, beta, cu_seqlens, chunk_indices, A_log, dt_bias, x_buf, r_buf, A_buf, xu_buf, akk_buf,
+    lower_bound, scale, T, NT,
     H: tl.constexpr, K: tl.constexpr, BS: tl.constexpr, IS_VARLEN: tl.constexpr,
     USE_GATE: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, USE_L2NORM: tl.constexpr,
-    DOT_BF16: tl.constexpr, WU_DOT: tl.constexpr, BK: tl.constexpr,
+    DOT_BF16: tl.constexpr, WU_DOT: tl.constexpr, BK: tl.constexpr, STORE_BWD: tl.constexpr = False,
 ):
     """First of the two 64-token prep kernels, per (chunk, head), fully parallel: Aqk and the UT inverse.
 
@@ -488,24 +512,13 @@ def _kda_chunk64_prep_kernel(
                           _inv_norm(sq2, USE_L2NORM) * scale, _inv_norm(sq3, USE_L2NORM) * scale)
     rk0, rk1, rk2, rk3 = (_inv_norm(sk0, USE_L2NORM), _inv_norm(sk1, USE_L2NORM), _inv_norm(sk2, USE_L2NORM),
                           _inv_norm(sk3, USE_L2NORM))
-    _store_rows(A_buf, rows0, m0, i_h, tl.where(causal, Q00 * rq0[:, None] * rk0[None, :], 0.0), H, 4 * BS, BS, 0, BS)
-    _store_rows(A_buf, rows0, m0, i_h, z, H, 4 * BS, BS, BS, BS)
-    _store_rows(A_buf, rows0, m0, i_h, z, H, 4 * BS, BS, 2 * BS, BS)
-    _store_rows(A_buf, rows0, m0, i_h, z, H, 4 * BS, BS, 3 * BS, BS)
-    _store_rows(A_buf, rows1, m1, i_h, Q10 * rq1[:, None] * rk0[None, :], H, 4 * BS, BS, 0, BS)
-    _store_rows(A_buf, rows1, m1, i_h, tl.where(causal, Q11 * rq1[:, None] * rk1[None, :], 0.0), H, 4 * BS, BS, BS, BS)
-    _store_rows(A_buf, rows1, m1, i_h, z, H, 4 * BS, BS, 2 * BS, BS)
-    _store_rows(A_buf, rows1, m1, i_h, z, H, 4 * BS, BS, 3 * BS, BS)
-    _store_rows(A_buf, rows2, m2, i_h, Q20 * rq2[:, None] * rk0[None, :], H, 4 * BS, BS, 0, BS)
-    _store_rows(A_buf, rows2, m2, i_h, Q21 * rq2[:, None] * rk1[None, :], H, 4 * BS, BS, BS, BS)
-    _store_rows(A_buf, rows2, m2, i_h, tl.where(causal, Q22 * rq2[:, None] * rk2[None, :], 0.0), H, 4 * BS, BS, 2 * BS,
-                BS)
-    _store_rows(A_buf, rows2, m2, i_h, z, H, 4 * BS, BS, 3 * BS, BS)
-    _store_rows(A_buf, rows3, m3, i_h, Q30 * rq3[:, None] * rk0[None, :], H, 4 * BS, BS, 0, BS)
-    _store_rows(A_buf, rows3, m3, i_h, Q31 * rq3[:, None] * rk1[None, :], H, 4 * BS, BS, BS, BS)
-    _store_rows(A_buf, rows3, m3, i_h, Q32 * rq3[:, None] * rk2[None, :], H, 4 * BS, BS, 2 * BS, BS)
-    _store_rows(A_buf, rows3, m3, i_h, tl.where(causal, Q33 * rq3[:, None] * rk3[None, :], 0.0), H, 4 * BS, BS,
-                3 * BS, BS)
+    _store_block_row(A_buf, rows0, m0, i_h, tl.where(causal, Q00 * rq0[:, None] * rk0[None, :], 0.0), z, z, z, H, BS)
+    _store_block_row(A_buf, rows1, m1, i_h, Q10 * rq1[:, None] * rk0[None, :],
+                     tl.where(causal, Q11 * rq1[:, None] * rk1[None, :], 0.0), z, z, H, BS)
+    _store_block_row(A_buf, rows2, m2, i_h, Q20 * rq2[:, None] * rk0[None, :], Q21 * rq2[:, None] * rk1[None, :],
+                     tl.where(causal, Q22 * rq2[:, None] * rk2[None, :], 0.0), z, H, BS)
+    _store_block_row(A_buf, rows3, m3, i_h, Q30 * rq3[:, None] * rk0[None, :], Q31 * rq3[:, None] * rk1[None, :],
+                     Q32 * rq3[:, None] * rk2[None, :], tl.where(causal, Q33 * rq3[:, None] * rk3[None, :], 0.0), H, BS)
     b0 = _beta_of(beta, rows0, m0, i_h, H, USE_BETA_SIGMOID)
     b1 = _beta_of(beta, rows1, m1, i_h, H, USE_BETA_SIGMOID)
     b2 = _beta_of(beta, rows2, m2, i_h, H, USE_BETA_SIGMOID)
@@ -541,6 +554,29 @@ def _kda_chunk64_prep_kernel(
     tl.store(xb + 3 * RB + BS, X31 * b1[None, :])
     tl.store(xb + 3 * RB + 2 * BS, X32 * b2[None, :])
     tl.store(xb + 3 * RB + 3 * BS, X33 * b3[None, :])
+    if STORE_BWD:
+        # for the 64-token backward: X itself (its blocks above the diagonal ones unwritten, as in x_buf) and
+        # the normalised strict Akk by rows, [.., H, 64] like Aqk
+        xu = xu_buf + (i_c * H + i_h).to(tl.int64) * (16 * BS * BS) + o_s[:, None] * (4 * BS) + o_s[None, :]
+        tl.store(xu, X00)
+        tl.store(xu + RB, X10)
+        tl.store(xu + RB + BS, X11)
+        tl.store(xu + 2 * RB, X20)
+        tl.store(xu + 2 * RB + BS, X21)
+        tl.store(xu + 2 * RB + 2 * BS, X22)
+        tl.store(xu + 3 * RB, X30)
+        tl.store(xu + 3 * RB + BS, X31)
+        tl.store(xu + 3 * RB + 2 * BS, X32)
+        tl.store(xu + 3 * RB + 3 * BS, X33)
+        _store_block_row(akk_buf, rows0, m0, i_h, tl.where(strict, A00 * rk0[:, None] * rk0[None, :], 0.0), z, z, z,
+                         H, BS)
+        _store_block_row(akk_buf, rows1, m1, i_h, A10 * rk1[:, None] * rk0[None, :],
+                         tl.where(strict, A11 * rk1[:, None] * rk1[None, :], 0.0), z, z, H, BS)
+        _store_block_row(akk_buf, rows2, m2, i_h, A20 * rk2[:, None] * rk0[None, :], A21 * rk2[:, None] * rk1[None, :],
+                         tl.where(strict, A22 * rk2[:, None] * rk2[None, :], 0.0), z, H, BS)
+        _store_block_row(akk_buf, rows3, m3, i_h, A30 * rk3[:, None] * rk0[None, :], A31 * rk3[:, None] * rk1[None, :],
+                         A32 * rk3[:, None] * rk2[None, :], tl.where(strict, A33 * rk3[:, None] * rk3[None, :], 0.0),
+                         H, BS)
     tl.store(r_buf + (rows0 * H + i_h) * 2, rq0, mask=m0)
     tl.store(r_buf + (rows1 * H + i_h) * 2, rq1, mask=m1)
     tl.store(r_buf + (rows2 * H + i_h) * 2, rq2, mask=m2)
@@ -621,15 +657,7 @@ def _kda_chunk64_state_kernel(
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)  # first global chunk of this sequence
-    else:
-        bos = i_n.to(tl.int64) * T
-        eos = bos + T
-        c0 = i_n.to(tl.int64) * NT
-    L = eos - bos
+    bos, L, c0 = _seq_of(cu_seqlens, chunk_offsets, i_n, T, NT, IS_VARLEN)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -766,14 +794,18 @@ def chunk_kda_fwd(
     if chunk_size not in (16, 64):
         raise ValueError(f"chunk_size must be 16 or 64, got {chunk_size}")
     if chunk_size == 64 and prep_num_warps not in (None, 1, 2):
-        # The first 64-token prep kernel multiplies 16 x 16 tiles, which at most two warps can share. With
-        # 4 warps, 16-channel slices and bf16 inputs it gave wrong outputs on the H200 (triton 3.6; BENCHMARKS.md,
-        # eighth session), so larger values are refused rather than run.
+        # The first 64-token prep kernel multiplies 16 x 16 tiles, which at most two warps can share. The wrong
+        # H200 result once blamed on 4 warps here came from the single-stage state kernel (refused below;
+        # BENCHMARKS.md, ninth session), but 4 warps with 16-channel slices has not been checked on a GPU since,
+        # and was slower: only the measured values are accepted.
         raise ValueError(f"prep_num_warps must be 1 or 2 for chunk_size=64, got {prep_num_warps}")
     if state_dot not in (None, "tf32", "bf16"):
         raise ValueError(f"state_dot must be None, 'tf32' or 'bf16', got {state_dot!r}")
     if output not in ("fused", "stored"):
         raise ValueError(f"output must be 'fused' or 'stored', got {output!r}")
+    if num_stages == 1 and q.dtype == torch.bfloat16 and state_dot == "bf16" and (chunk_size == 64
+                                                                                  or output == "stored"):
+        raise ValueError(_SINGLE_STAGE_BF16)
     if h_dtype not in (None, torch.float32, torch.bfloat16):
         raise ValueError(f"h_dtype must be None, torch.float32 or torch.bfloat16, got {h_dtype!r}")
     B, T, H, K, V, N = _ref._validate(q, k, v, g, beta, initial_state, cu_seqlens)
@@ -864,18 +896,22 @@ _PREP64_WARPS = 1
 _WU64 = (32, 64, 2)  # (BK, BV, num_warps) of the w / u0 kernel
 
 
-def _launch_prep64(n_chunks, args, H, K, V, is_varlen, flags, dot_mode, wu_dot, prep_num_warps):
+def _launch_prep64(n_chunks, args, H, K, V, is_varlen, flags, dot_mode, wu_dot, prep_num_warps, bwd_bufs=None):
     """The two 64-token prep kernels: Aqk and the UT inverse (into an fp32 [chunks, H, 64, 64] scratch), then
-    w, u0, qg, kd and G_last."""
+    w, u0, qg, kd and G_last. ``bwd_bufs`` = (X [chunks, H, 64, 64], Akk [B, T, H, 64]), both fp32: also store X
+    and the normalised strict Akk for the backward. Returns the scratch X diag(beta) and the row scales."""
     use_gate, use_bsig, use_l2 = flags
     (q, k, v, g, beta, cu_all, chunk_indices, A_log, dt_bias,
      w_buf, u_buf, qg_buf, kd_buf, A_buf, gl_buf, scale, lower_bound, T, NT) = args
     x_buf = torch.empty(n_chunks, H, _BT64, _BT64, dtype=torch.float32, device=q.device)
     r_buf = torch.empty(*q.shape[:3], 2, dtype=torch.float32, device=q.device)  # s / |q|, 1 / |k|
+    xu_buf, akk_buf = bwd_bufs or (x_buf, x_buf)
     _kda_chunk64_prep_kernel[(n_chunks, H)](
-        q, k, g, beta, cu_all, chunk_indices, A_log, dt_bias, x_buf, r_buf, A_buf, lower_bound, scale, T, NT,
+        q, k, g, beta, cu_all, chunk_indices, A_log, dt_bias, x_buf, r_buf, A_buf, xu_buf, akk_buf,
+        lower_bound, scale, T, NT,
         H=H, K=K, BS=_BS, IS_VARLEN=is_varlen, USE_GATE=use_gate, USE_BETA_SIGMOID=use_bsig, USE_L2NORM=use_l2,
-        DOT_BF16=dot_mode, WU_DOT=wu_dot, BK=min(K, _PREP64_BLOCK), num_warps=prep_num_warps or _PREP64_WARPS,
+        DOT_BF16=dot_mode, WU_DOT=wu_dot, BK=min(K, _PREP64_BLOCK), STORE_BWD=bwd_bufs is not None,
+        num_warps=prep_num_warps or _PREP64_WARPS,
     )
     bk, bv, nw = _WU64
     _kda_chunk64_wu_kernel[(n_chunks, H)](
@@ -884,6 +920,7 @@ def _launch_prep64(n_chunks, args, H, K, V, is_varlen, flags, dot_mode, wu_dot, 
         H=H, K=K, V=V, BT=_BT64, IS_VARLEN=is_varlen, USE_GATE=use_gate, WU_DOT=wu_dot,
         BK=min(K, bk), BV=min(V, bv), num_warps=nw,
     )
+    return x_buf, r_buf
 
 
 def _chunk64_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, lower_bound, dims, BV, dot_mode,
@@ -951,18 +988,28 @@ def _chunk64_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, lo
         )
 
     # default: double-buffered chunk loads (~90 KB a stage at K = 128, BV = 32), 1 stage if that does not fit
-    _launch_pipelined(launch, num_stages)
+    _launch_pipelined(launch, num_stages, st_dot not in (1, 2))
 
 
-def _launch_pipelined(launch, num_stages):
+# The state kernel compiled with one pipeline stage, 4 warps and bf16 state products gave wrong states on the
+# H200 with triton 3.6 (K = 64: a state update off by ~100 %, and an illegal memory access at block_v = 16;
+# right with 2 stages, 2 or 8 warps, or tf32 products; BENCHMARKS.md, ninth session). Where that cannot be
+# ruled out, one stage is refused rather than run.
+_SINGLE_STAGE_BF16 = ("num_stages=1 is refused for the KDA state kernel with bf16 state products (wrong results on the "
+                      "H200 with triton 3.6): use num_stages >= 2, state_dot='tf32', or a smaller block_v")
+
+
+def _launch_pipelined(launch, num_stages, single_stage_ok=True):
     # num_stages given: use it; default 2 (double-buffered chunk loads), falling back to 1 when that does
-    # not fit in shared memory for the shape rather than failing
+    # not fit in shared memory for the shape rather than failing (unless one stage is unsafe for the launch)
     if num_stages is not None:
         launch(num_stages)
         return
     try:
         launch(2)
     except triton.runtime.errors.OutOfResources:
+        if not single_stage_ok:
+            raise ValueError(_SINGLE_STAGE_BF16) from None
         launch(1)
 
 
@@ -971,8 +1018,11 @@ _DENSE_LAYOUTS: dict = {}  # (B, T, chunk, device) -> chunk layout tensors of a 
 
 def _stored_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, lower_bound, dims, chunk_size, BV,
                 OBV, dot_mode, num_warps, num_stages, prep_num_warps, out_num_warps, out_num_stages, state_dot,
-                lowp_buffers, h_dtype, flags):
+                lowp_buffers, h_dtype, flags, for_backward=False):
     """``output="stored"``: prep (parallel) -> state kernel storing h and u (sequential) -> output (parallel).
+
+    ``for_backward`` (64-token chunks; ``triton_chunk_bwd``'s recompute): no output kernel; the prep also keeps
+    X, the normalised Akk and the row scales, and every buffer is returned in a dict with the chunk layout.
 
     Buffers as in ``_chunk64_fwd`` (w, qg in q.dtype; kd, Aqk fp32 unless ``lowp_buffers``; u0 fp32), plus
     h [chunks, H, K, V] in ``h_dtype`` (chunk_kda_fwd's default: bf16 for bf16 inputs, which rounds the state
@@ -1032,10 +1082,16 @@ def _stored_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, low
         st_dot = dot_mode
     else:
         st_dot = tf32
+    x_buf = r_buf = bwd_bufs = None
+    if for_backward:
+        bwd_bufs = (torch.empty(max(n_chunks, 1), H, BT, BT, dtype=torch.float32, device=dev),  # X
+                    torch.empty(B, T, H, BT, dtype=torch.float32, device=dev))  # normalised strict Akk
     if n_chunks and BT == 64:
-        _launch_prep64(n_chunks, (q, k, v, g, beta, cu_all, chunk_indices, *gate_args,
-                                  w_buf, u_buf, qg_buf, kd_buf, A_buf, gl_buf, scale, lower_bound, T, NT),
-                       H, K, V, is_varlen, flags, dot_mode, tf32 if bf16 else 0, prep_num_warps)
+        x_buf, r_buf = _launch_prep64(n_chunks, (q, k, v, g, beta, cu_all, chunk_indices, *gate_args,
+                                                 w_buf, u_buf, qg_buf, kd_buf, A_buf, gl_buf, scale, lower_bound, T,
+                                                 NT),
+                                      H, K, V, is_varlen, flags, dot_mode, tf32 if bf16 else 0, prep_num_warps,
+                                      bwd_bufs)
     elif n_chunks:
         _kda_chunk_prep_kernel[(n_chunks, H)](
             q, k, v, g, beta, cu_all, chunk_indices, *gate_args, w_buf, u_buf, lower_bound,
@@ -1053,7 +1109,11 @@ def _stored_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, low
             num_warps=num_warps, num_stages=stages,
         )
 
-    _launch_pipelined(launch_state, num_stages)
+    _launch_pipelined(launch_state, num_stages, st_dot not in (1, 2))
+    if for_backward:
+        return dict(n_chunks=n_chunks, NT=NT, cu=cu_all, chunk_offsets=chunk_offsets, chunk_indices=chunk_indices,
+                    w=w_buf, qg=qg_buf, kd=kd_buf, Aqk=A_buf, gl=gl_buf, h=h_buf, u=vn_buf, xb=x_buf, r=r_buf,
+                    X=bwd_bufs[0], Akk=bwd_bufs[1], st_dot=st_dot, wu_dot=tf32 if bf16 else 0)
     if not n_chunks:
         return
     # qg h: bf16 operands when both are bf16 already (exact products, bf16 MMA rate); else the state mode

@@ -1,4 +1,5 @@
-"""Chunked KDA backward in Triton (bounded gate, 16-token tiles), the counterpart of ``triton_chunk``.
+"""Chunked KDA backward in Triton (bounded gate; 16-token tiles by default, 64-token chunks as an option), the
+counterpart of ``triton_chunk``.
 
 The core maths below works on post-activation inputs: q, k (L2-normalised), v, g = per-step fp32 log decay with
 -5 <= g <= 0, beta in (0, 1), scale, optional h0. The forward's in-kernel preprocessing (L2 norm of q and k,
@@ -57,12 +58,33 @@ Four kernels:
    needed (deterministic), then goes down through X to dq, dk, dg, dbeta and through the preprocessing to the
    raw inputs; dv is written per V-block.
 
+64-token chunks (``chunk_size=64``; same maths with C = 64, X and the products through it taken as whole
+[64, 64] tiles, ``Xb = X diag(beta)``, so dXb = du v^T + dw kg^T, dv = Xb^T du, dkg = Xb^T dw,
+dX = dXb diag(beta), dbeta gains colsum(dXb * X)):
+
+1. the forward's own 64-token kernels recompute w, u0, qg, kd, Aqk, G_last, h (bf16 for bf16 inputs) and u,
+   keeping X and the normalised strict Akk as well (``triton_chunk._stored_fwd(for_backward=True)``);
+2. ``_bwd64_dstate_kernel``: the reverse carry above over 64-token chunks (dh, du);
+3. ``_bwd64_inter_kernel``, parallel over (chunk, head, K-block + 1): the sums over V and the inter-chunk
+   gradients in fp32 scratch, Xb's gradient as per-program partials (deterministic, no atomics);
+4. ``_bwd64_intra_kernel``, parallel over (chunk, head): the UT inverse's backward, then the intra-chunk
+   products dAqk -> dq, dk and dA -> dk with the forward's sub-tile references (G spans (-320, 0] over a
+   64-chunk, so e^{G_i - G_j} is split as F_I E_I around the reference of the row's sub-tile), dg, the gate's
+   and the L2 norms' backward.
+
+Measured on the H200 at T = 8K, H = 96, K = V = 128 (BENCHMARKS.md, ninth session): correct (within 7e-3 of
+autograd through the fp32 reference at T = 300, as the 16-token path), but 17.7 ms forward + backward against
+17.1 for the 16-token default: the intra kernel alone takes 7.9 ms (its masked [64, 64] x [64, 16] products
+do 4x the useful work and keep two [64, 64] fp32 tiles live), the inter kernel 3.6. So it stays opt-in.
+
 Precision: every tile is loaded into fp32 (so the Triton interpreter's bf16-dot problem does not arise);
 products are exact fp32 ("ieee") for fp32 inputs and tf32 for bf16 inputs, except the small products with X
-(always "ieee"). The carried dS is fp32. The stored per-chunk h and dh are fp32 by default; with
-``state_dtype=torch.bfloat16`` their traffic halves and the gradients' relative error grows to ~3-5e-3
-(measured at T = 65 against the fp32 reference). Memory: h and dh are NT * H * K * V each (NT = number of
-16-token chunks), ~12.9 GB each in fp32 at T = 32K, H = 96, K = V = 128; u and du 1.6 GB each there.
+(always "ieee"). The carried dS is fp32. The stored per-chunk h and dh are bf16 for bf16 inputs (as the
+forward's h and fla's; 19.1 -> 17.1 ms forward + backward at T = 8K on the H200, gradients within ~3-5e-3 of
+the fp32 reference at T = 65) and fp32 for fp32 inputs; ``state_dtype`` overrides. Memory: h and dh are
+NT * H * K * V each (NT = number of 16-token chunks), ~6.4 GB each in bf16 at T = 32K, H = 96, K = V = 128;
+u and du 1.6 GB each there. The 64-token path's fp32 scratch (dq, dk, dG partials, dAqk, Xb's partials) is
+about 1.3 GB at T = 8K there, 4x that at 32K.
 
 Registers (compiled ahead of time for sm_90a with triton 3.6, ptxas -v, K = V = 128, tf32): the sequential
 kernels at block_v = 32 and 4 warps spill <= 80 bytes; the per-chunk kernel at chunk_block_v = 16 and 8 warps
@@ -73,11 +95,14 @@ more; they serve fp32 training and the tests, not the bf16 fast path. Timings on
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from . import reference as _ref
+from .triton_chunk import _beta_of, _bias_cols, _chunk_of, _ks_sub, _mm64, _rows_of, _seq_of
 
 __all__ = ["chunk_kda_bwd"]
 
@@ -392,6 +417,256 @@ def _bwd_chunk_kernel(
     tl.store(dbeta + rows * H + i_h, db.to(dbeta.dtype.element_ty), mask=m_t)
 
 
+# --------------------------------------------------------------------------------------------------------------- #
+# 64-token chunks
+# --------------------------------------------------------------------------------------------------------------- #
+@triton.jit
+def _bwd64_dstate_kernel(
+    do, dht, dh, dh0, du_buf, cu_seqlens, chunk_offsets, w_buf, Aqk_buf, kd_buf, qg_buf, gl_buf, T, NT,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DOT: tl.constexpr,
+):
+    """Per (sequence, head, V-block), backwards over the 64-token chunks: stores dS_out of every chunk in dh and
+    du = Aqk^T do + kd dS_out (fp32), and carries dS_in = e^{G_last} dS_out + qg^T do - w^T du (fp32 registers).
+    Loads the forward recompute's buffers (G_last raw, so it is exponentiated here); the products take the
+    forward state kernel's operand mode (bf16 for bf16 inputs, as fla)."""
+    i_n = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    bos, L, c0 = _seq_of(cu_seqlens, chunk_offsets, i_n, T, NT, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    p_state = ((i_n * H + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
+    if USE_DHT:
+        dS = tl.load(dht + p_state).to(tl.float32)
+    else:
+        dS = tl.zeros([K, BV], dtype=tl.float32)
+    n_t = tl.cdiv(L, BT)
+    for i_r in range(0, n_t):
+        i_c = n_t - 1 - i_r
+        pos = i_c * BT + o_t
+        m2 = (pos < L)[:, None]
+        rows = bos + pos
+        p_h = (((c0 + i_c) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
+        tl.store(dh + p_h, dS.to(dh.dtype.element_ty))
+        # the transposed operands are loaded as transposed tiles (no register transposes on the chain)
+        mT = (pos < L)[None, :]
+        b_AT = tl.load(Aqk_buf + (rows[None, :] * H + i_h) * BT + o_t[:, None], mask=mT, other=0.0)  # [j, i]
+        b_AT = tl.where(o_t[None, :] >= o_t[:, None], b_AT, 0.0)  # causal: i >= j
+        p_kT = (rows[None, :] * H + i_h) * K + o_k[:, None]
+        b_wT = tl.load(w_buf + p_kT, mask=mT, other=0.0)  # [K, BT]
+        b_qgT = tl.load(qg_buf + p_kT, mask=mT, other=0.0)
+        b_kd = tl.load(kd_buf + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m2, other=0.0)
+        e_gl = tl.exp(tl.load(gl_buf + ((c0 + i_c) * H + i_h) * K + o_k))
+        p_v = (rows[:, None] * H + i_h) * V + o_v[None, :]
+        b_do = tl.load(do + p_v, mask=m2, other=0.0)
+        du = _mm64(b_AT, b_do, DOT) + _mm64(b_kd, dS, DOT)  # [BT, BV]
+        tl.store(du_buf + p_v, du, mask=m2)
+        dS = dS * e_gl[:, None] + _mm64(b_qgT, b_do, DOT) - _mm64(b_wT, du, DOT)
+    if STORE_DH0:
+        tl.store(dh0 + p_state, dS)
+
+
+@triton.jit
+def _chunk64_X(X_buf, cu_seqlens, chunk_indices, i_c, i_h, T, NT, H: tl.constexpr, BT: tl.constexpr,
+               IS_VARLEN: tl.constexpr):
+    """Rows (flat token index, in-sequence mask) of global 64-chunk i_c, the [BT, BT] offsets and the chunk-head
+    index, and its UT inverse X (block lower triangular: the blocks above the 16-row diagonal ones were never
+    written)."""
+    bos, L, i_t = _chunk_of(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
+    rows, m_t = _rows_of(bos, L, i_t * BT, BT)
+    o_t = tl.arange(0, BT)
+    p_cc = o_t[:, None] * BT + o_t[None, :]
+    cid = (i_c * H + i_h).to(tl.int64)
+    X = tl.load(X_buf + cid * (BT * BT) + p_cc, mask=(o_t[:, None] // 16) >= (o_t[None, :] // 16), other=0.0)
+    return rows, m_t, o_t, p_cc, cid, X
+
+
+@triton.jit
+def _bwd64_inter_kernel(
+    q, k, v, g, beta, do, h, dh, u_buf, du_buf, X_buf, r_buf, cu_seqlens, chunk_indices, A_log, dt_bias,
+    dv, dAqk_buf, dXb_part, dq_part, dk_part, dG_part, dGl_buf, lower_bound, T, NT,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NK: tl.constexpr, IS_VARLEN: tl.constexpr, USE_GATE: tl.constexpr, USE_BSIG: tl.constexpr,
+    DOT: tl.constexpr, XDOT: tl.constexpr,
+):
+    """Per (64-chunk, head, program p): the sums over V of the chunk's gradient, from S_in = h[c], dS_out = dh[c],
+    u, du and do. Programs p < NK take the K-block p: dqg = do S^T, dw = -du S^T, dkd = u dS_out^T and
+    dGl, then, with w = Xb kg: dkg = Xb^T dw and Xb's partial gradient dw kg^T, and store the inter-chunk parts
+    of the gradients with respect to qt = s q / |q|, kh = k / |k| and G (fp32 scratch). Program NK takes what
+    does not depend on K: dAqk = do u^T, Xb's partial gradient du v^T, and dv = Xb^T du. Xb = X diag(beta)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_p = tl.program_id(2)
+    n_chunks = tl.num_programs(0)
+    rows, m_t, o_t, p_cc, cid, X = _chunk64_X(X_buf, cu_seqlens, chunk_indices, i_c, i_h, T, NT, H, BT, IS_VARLEN)
+    m2 = m_t[:, None]
+    Xb = X * _beta_of(beta, rows, m_t, i_h, H, USE_BSIG)[None, :]
+    p_part = dXb_part + (i_p * n_chunks * H + cid) * (BT * BT) + p_cc
+    if i_p == NK:
+        dA = tl.zeros([BT, BT], dtype=tl.float32)
+        dXv = tl.zeros([BT, BT], dtype=tl.float32)
+        for vv in range(0, V, BV):
+            p_v = (rows[:, None] * H + i_h) * V + vv + tl.arange(0, BV)[None, :]
+            b_do = tl.load(do + p_v, mask=m2, other=0.0)
+            b_u = tl.load(u_buf + p_v, mask=m2, other=0.0)
+            b_du = tl.load(du_buf + p_v, mask=m2, other=0.0)
+            b_v = tl.load(v + p_v, mask=m2, other=0.0)
+            dA += _mm64(b_do, tl.trans(b_u), DOT)
+            dXv += _mm64(b_du, tl.trans(b_v), DOT)
+            tl.store(dv + p_v, _mm64(tl.trans(Xb), b_du, XDOT).to(dv.dtype.element_ty), mask=m2)
+        tl.store(dAqk_buf + (rows[:, None] * H + i_h) * BT + o_t[None, :],
+                 tl.where(o_t[:, None] >= o_t[None, :], dA, 0.0), mask=m2)
+        tl.store(p_part, dXv)
+    else:
+        o_k = i_p * BK + tl.arange(0, BK)
+        h_base = cid * K * V
+        dqg = tl.zeros([BT, BK], dtype=tl.float32)
+        dw = tl.zeros([BT, BK], dtype=tl.float32)
+        dkd = tl.zeros([BT, BK], dtype=tl.float32)
+        dgl = tl.zeros([BK], dtype=tl.float32)
+        for vv in range(0, V, BV):
+            o_v = vv + tl.arange(0, BV)
+            p_h = h_base + o_k[:, None] * V + o_v[None, :]
+            b_S = tl.load(h + p_h)  # [BK, BV]
+            b_dS = tl.load(dh + p_h)
+            p_v = (rows[:, None] * H + i_h) * V + o_v[None, :]
+            b_do = tl.load(do + p_v, mask=m2, other=0.0)
+            b_u = tl.load(u_buf + p_v, mask=m2, other=0.0)
+            b_du = tl.load(du_buf + p_v, mask=m2, other=0.0)
+            dqg += _mm64(b_do, tl.trans(b_S), DOT)
+            dw -= _mm64(b_du, tl.trans(b_S), DOT)
+            dkd += _mm64(b_u, tl.trans(b_dS), DOT)
+            dgl += tl.sum(b_S.to(tl.float32) * b_dS.to(tl.float32), axis=1)
+        # the chunk's factors for this K-block: G over the whole chunk lies in (-320, 0], so only e^G and
+        # e^{G_last - G} (both <= 1) are formed
+        a_h = 0.0
+        if USE_GATE:
+            a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        bias = _bias_cols(dt_bias, i_h, o_k, K, USE_GATE)
+        b_q, b_k, G, gl = _ks_sub(q, k, g, rows, m_t, i_h, o_k, a_h, bias, lower_bound,
+                                  tl.zeros([BK], dtype=tl.float32), H, K, BT, USE_GATE)
+        qt = b_q * tl.load(r_buf + (rows * H + i_h) * 2, mask=m_t, other=0.0)[:, None]
+        kh = b_k * tl.load(r_buf + (rows * H + i_h) * 2 + 1, mask=m_t, other=0.0)[:, None]
+        eG = tl.exp(G)
+        ed = tl.exp(gl[None, :] - G)
+        kg = kh * eG
+        qg = qt * eG
+        kd = kh * ed
+        dkg = _mm64(tl.trans(Xb), dw, XDOT)
+        tl.store(p_part, _mm64(dw, tl.trans(kg), XDOT))
+        p = (rows[:, None] * H + i_h) * K + o_k[None, :]
+        tl.store(dq_part + p, eG * dqg, mask=m2)
+        tl.store(dk_part + p, eG * dkg + ed * dkd, mask=m2)
+        tl.store(dG_part + p, qg * dqg + kg * dkg - kd * dkd, mask=m2)
+        tl.store(dGl_buf + cid * K + o_k, tl.exp(gl) * dgl + tl.sum(kd * dkd, axis=0))
+
+
+@triton.jit
+def _bwd64_intra_kernel(
+    q, k, g, beta, X_buf, Akk_buf, r_buf, dAqk_buf, dXb_part, dq_part, dk_part, dG_part, dGl_buf,
+    cu_seqlens, chunk_indices, A_log, dt_bias, dq, dk, dg, dbeta, ddt_part, dA_part, lower_bound, scale, T, NT,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, NK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_GATE: tl.constexpr, USE_BSIG: tl.constexpr, USE_L2: tl.constexpr,
+    XDOT: tl.constexpr, IDOT: tl.constexpr,
+):
+    """Per (64-chunk, head): down through the UT inverse (dXb -> dX -> dM -> dA, dbeta), then the intra-chunk
+    products dAqk -> (dqt, dkh) and dA -> dkh with the sub-tile references of triton_chunk's 64-token forward,
+    one K slice of BC channels at a time; adds the inter-chunk parts, takes dG to dg (reverse cumsum, G_last's
+    gradient, the in-kernel gate), and finally goes back through the L2 norms to the raw q and k.
+
+    For row sub-tile I (rows 16 I .. 16 I + 15) the reference r_I is G at the end of sub-tile I - 1 (0 for I = 0),
+    E_I = e^{r_I - G_j} on the columns j of sub-tiles <= I (in [0, 80] on sub-tile I, <= 0 before it; 0 after
+    it) and F_I = e^{G_i - r_I} on the rows of sub-tile I (in [-80, 0], 0 elsewhere), so e^{G_i - G_j} = F_I E_I
+    and every intra product is a plain [64, 64] x [64, BC] dot (rows or columns outside the sub-tile vanish)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    n_chunks = tl.num_programs(0)
+    rows, m_t, o_t, p_cc, cid, X = _chunk64_X(X_buf, cu_seqlens, chunk_indices, i_c, i_h, T, NT, H, BT, IS_VARLEN)
+    m2 = m_t[:, None]
+    strict = o_t[:, None] > o_t[None, :]
+    b_beta = _beta_of(beta, rows, m_t, i_h, H, USE_BSIG)
+    p_rc = (rows[:, None] * H + i_h) * BT + o_t[None, :]
+    Akk = tl.load(Akk_buf + p_rc, mask=m2, other=0.0)
+    dXb = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_p in tl.static_range(NK + 1):
+        dXb += tl.load(dXb_part + (i_p * n_chunks * H + cid) * (BT * BT) + p_cc)
+    # Xb = X diag(beta); X = M^-1 with M = I + diag(beta) strict(Akk): dM = -X^T dX X^T
+    db = tl.sum(dXb * X, axis=0)
+    dM = -_mm64(_mm64(tl.trans(X), dXb * b_beta[None, :], XDOT), tl.trans(X), XDOT)
+    db += tl.sum(tl.where(strict, dM * Akk, 0.0), axis=1)
+    dA = tl.where(strict, b_beta[:, None] * dM, 0.0)
+    if USE_BSIG:
+        db = db * b_beta * (1.0 - b_beta)
+    tl.store(dbeta + rows * H + i_h, db.to(dbeta.dtype.element_ty), mask=m_t)
+    dAqk = tl.load(dAqk_buf + p_rc, mask=m2, other=0.0)
+
+    rq = tl.load(r_buf + (rows * H + i_h) * 2, mask=m_t, other=0.0)  # s / |q|
+    rk = tl.load(r_buf + (rows * H + i_h) * 2 + 1, mask=m_t, other=0.0)  # 1 / |k|
+    a_h = 0.0
+    if USE_GATE:
+        a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    blk = o_t // 16
+    d_alog = tl.zeros([BC], dtype=tl.float32)
+    row_q = tl.zeros([BT], dtype=tl.float32)
+    row_k = tl.zeros([BT], dtype=tl.float32)
+    for cc in range(0, K, BC):
+        o_c = cc + tl.arange(0, BC)
+        bias = _bias_cols(dt_bias, i_h, o_c, K, USE_GATE)
+        b_q, b_k, G, gl = _ks_sub(q, k, g, rows, m_t, i_h, o_c, a_h, bias, lower_bound,
+                                  tl.zeros([BC], dtype=tl.float32), H, K, BT, USE_GATE)
+        qt = b_q * rq[:, None]
+        kh = b_k * rk[:, None]
+        dqi = tl.zeros([BT, BC], dtype=tl.float32)
+        dkr = tl.zeros([BT, BC], dtype=tl.float32)
+        dkc = tl.zeros([BT, BC], dtype=tl.float32)
+        for I in tl.static_range(4):
+            r = tl.sum(tl.where(o_t[:, None] == 16 * I - 1, G, 0.0), axis=0)  # zeros for I = 0
+            E = tl.exp(tl.where(blk[:, None] <= I, r[None, :] - G, float("-inf")))
+            F = tl.exp(tl.where(blk[:, None] == I, G - r[None, :], float("-inf")))
+            R = kh * E
+            dqi += F * _mm64(dAqk, R, IDOT)
+            dkr += F * _mm64(dA, R, IDOT)
+            dkc += E * (_mm64(tl.trans(dAqk), qt * F, IDOT) + _mm64(tl.trans(dA), kh * F, IDOT))
+        p = (rows[:, None] * H + i_h) * K + o_c[None, :]
+        dqt = tl.load(dq_part + p, mask=m2, other=0.0) + dqi
+        dkh = tl.load(dk_part + p, mask=m2, other=0.0) + dkr + dkc
+        dG = tl.load(dG_part + p, mask=m2, other=0.0) + qt * dqi + kh * (dkr - dkc)
+        # dg_t = sum_{s >= t} dG_s + dG_last (G_t = sum_{s <= t} g_s; G_last sums every g of the chunk)
+        b_dg = tl.sum(dG, axis=0)[None, :] - tl.cumsum(dG, axis=0) + dG + tl.load(dGl_buf + cid * K + o_c)[None, :]
+        if USE_GATE:
+            x = tl.load(g + p, mask=m2, other=0.0).to(tl.float32) + bias[None, :]
+            sg = tl.sigmoid(a_h * x)
+            b_dg = tl.where(m2, b_dg * (lower_bound * a_h) * sg * (1.0 - sg), 0.0)
+            tl.store(ddt_part + cid * K + o_c, tl.sum(b_dg, axis=0))
+            d_alog += tl.sum(b_dg * x, axis=0)
+        tl.store(dg + p, b_dg.to(dg.dtype.element_ty), mask=m2)
+        row_q += tl.sum(dqt * qt, axis=1)
+        row_k += tl.sum(dkh * kh, axis=1)
+        tl.store(dq_part + p, dqt, mask=m2)
+        tl.store(dk_part + p, dkh, mask=m2)
+    if USE_GATE:
+        tl.store(dA_part + cid, tl.sum(d_alog, axis=0))
+    # through the L2 norms (x_hat = x r, r = 1 / |x|: dx = r (dx_hat - x_hat <dx_hat, x_hat>)); qt = s q_hat
+    for cc in range(0, K, BC):
+        o_c = cc + tl.arange(0, BC)
+        p = (rows[:, None] * H + i_h) * K + o_c[None, :]
+        dqt = tl.load(dq_part + p, mask=m2, other=0.0)
+        dkh = tl.load(dk_part + p, mask=m2, other=0.0)
+        if USE_L2:
+            r = rq / scale
+            b_dq = r[:, None] * (scale * dqt - tl.load(q + p, mask=m2, other=0.0).to(tl.float32) * r[:, None]
+                                 * row_q[:, None])
+            b_dk = rk[:, None] * (dkh - tl.load(k + p, mask=m2, other=0.0).to(tl.float32) * rk[:, None]
+                                  * row_k[:, None])
+        else:
+            b_dq = scale * dqt
+            b_dk = dkh
+        tl.store(dq + p, b_dq.to(dq.dtype.element_ty), mask=m2)
+        tl.store(dk + p, b_dk.to(dk.dtype.element_ty), mask=m2)
+
+
 def _is_pow2(n: int) -> bool:
     return n >= 16 and (n & (n - 1)) == 0
 
@@ -400,8 +675,8 @@ def chunk_kda_bwd(
     q, k, v, g, beta, do, scale=None, initial_state=None, dht=None, cu_seqlens=None,
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=-5.0,
     use_beta_sigmoid_in_kernel=False,
-    state_dtype=torch.float32, block_v=None, num_warps=2, chunk_block_v=None, chunk_num_warps=4,
-    chunk_num_stages=1, check_gate=True,
+    state_dtype=None, block_v=None, num_warps=None, chunk_block_v=None, chunk_num_warps=4,
+    chunk_num_stages=1, check_gate=True, chunk_size=16,
 ):
     """Gradients of the chunked KDA, through the same in-kernel preprocessing flags as the forward.
 
@@ -409,7 +684,10 @@ def chunk_kda_bwd(
     input z when ``use_gate_in_kernel`` (``g = lower_bound * sigmoid(exp(A_log[h]) * (z + dt_bias))``);
     beta: [B, T, H] in (0, 1), or logits when ``use_beta_sigmoid_in_kernel``; ``use_qk_l2norm_in_kernel``:
     q and k are L2-normalised inside. initial_state, dht: [N, H, K, V] or None. ``state_dtype``: storage of
-    the recomputed per-chunk states and state grads (fp32 or bf16). ``block_v`` / ``num_warps``: V tile and
+    the recomputed per-chunk states and state grads (fp32 or bf16; default bf16 for bf16 inputs, else fp32).
+    ``chunk_size``: 16 (default, the fastest measured) or 64 (the 64-token path of the module docstring; its
+    ``block_v`` / ``num_warps`` default 32 / 4 and apply to its sequential kernel, the parallel kernels take
+    ``_INTER64`` / ``_INTRA64``). ``block_v`` / ``num_warps``: V tile and
     warps of the two sequential kernels and the prep kernel (default 32 / 2); ``chunk_block_v`` /
     ``chunk_num_warps``: those of the per-chunk gradient kernel (default 32 / 4), ``chunk_num_stages`` its
     V-loop pipelining depth (default 1; None: Triton's default). The defaults are the fastest of a sweep on the
@@ -433,8 +711,10 @@ def chunk_kda_bwd(
         raise ValueError(f"do must be [B, T, H, V] = {[B, T, H, V]}, got {tuple(do.shape)}")
     if dht is not None and tuple(dht.shape) != (N, H, K, V):
         raise ValueError(f"dht must be [N, H, K, V] = {[N, H, K, V]}, got {tuple(dht.shape)}")
-    if state_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
+    if state_dtype not in (None, torch.float32, torch.bfloat16):
+        raise ValueError(f"state_dtype must be None, torch.float32 or torch.bfloat16, got {state_dtype}")
+    if chunk_size not in (16, 64):
+        raise ValueError(f"chunk_size must be 16 or 64, got {chunk_size}")
     if not g.is_floating_point():
         raise ValueError(f"g must be a floating-point log decay, got {g.dtype}")
     if check_gate and g.numel() and not use_gate_in_kernel:
@@ -466,6 +746,17 @@ def chunk_kda_bwd(
         return dq, dk, dv, dg, dbeta, dh0, *zero
 
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
+    if chunk_size == 64:
+        return _chunk_kda_bwd64(
+            q, k, v, g, beta, do, float(scale), initial_state, dht, cu_seqlens, (B, T, H, K, V, N),
+            (A_log, dt_bias, float(lower_bound)) if gate else None,
+            (gate, bool(use_beta_sigmoid_in_kernel), bool(use_qk_l2norm_in_kernel)),
+            state_dtype or (torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32),
+            block_v, num_warps or 4, (dq, dk, dv, dg, dbeta, dh0),
+        )
+    # per-chunk states stored in bf16 for bf16 inputs, as the forward's h (the carried states stay fp32)
+    state_dtype = state_dtype or (torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32)
+    num_warps = num_warps or 2
     # [B, T] rows are the same memory as one packed sequence of B*T rows with boundaries at multiples of T
     if cu_seqlens is not None:
         cu = cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
@@ -524,4 +815,75 @@ def chunk_kda_bwd(
         **({} if chunk_num_stages is None else {"num_stages": chunk_num_stages}),
     )
     dA_log, ddt_bias = (dA_part.sum(0), ddt_part.sum(0).reshape(H * K)) if gate else (None, None)
+    return dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias
+
+
+# Launch settings of the 64-token backward's parallel kernels (module-level so a benchmark can sweep them):
+# (BK, BV, num_warps, bf16 products with X) of _bwd64_inter_kernel, (BC, num_warps, bf16 intra products) of
+# _bwd64_intra_kernel. The bf16 options apply to bf16 inputs only (fp32 inputs keep exact fp32 products).
+_INTER64 = (64, 32, 4, True)
+_INTRA64 = (16, 4, False)
+
+
+def _chunk_kda_bwd64(q, k, v, g, beta, do, scale, h0, dht, cu_seqlens, dims, gate_args, flags, state_dtype,
+                     block_v, num_warps, outs):
+    """The 64-token backward: the forward's 64-token prep and state kernels recompute w, u0, qg, kd, Aqk, X, Akk,
+    h and u (``triton_chunk._stored_fwd(for_backward=True)``), then ``_bwd64_dstate_kernel`` (sequential),
+    ``_bwd64_inter_kernel`` and ``_bwd64_intra_kernel`` (parallel over chunks)."""
+    from . import triton_chunk as _fwd
+
+    B, T, H, K, V, N = dims
+    use_gate, use_bsig, use_l2 = flags
+    dq, dk, dv, dg, dbeta, dh0 = outs
+    dev = q.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    bf16 = q.dtype == torch.bfloat16
+    dot_mode = 0 if not bf16 else 2 if interp else 1
+    A_log, dt_bias, lower_bound = gate_args if use_gate else (q, q, 0.0)
+    gate_ptrs = (A_log.contiguous(), dt_bias.contiguous()) if use_gate else (q, q)
+    h0f = h0.float().contiguous() if h0 is not None else None
+    # the forward's own buffers and numerics (its defaults: bf16 state products, low-precision buffers)
+    fb = _fwd._stored_fwd(q, k, v, g, beta, q, h0f, None, cu_seqlens, gate_ptrs, scale, lower_bound, dims, 64,
+                          min(V, 64), min(V, 128), dot_mode, 4, None, None, 4, None, "bf16", True, state_dtype,
+                          flags, for_backward=True)
+    n_chunks, NT, is_varlen = fb["n_chunks"], max(fb["NT"], 1), cu_seqlens is not None
+    st_dot, x_dot = fb["st_dot"], fb["wu_dot"]
+    BV = block_v or min(V, 32)
+    dh = torch.empty_like(fb["h"])
+    du = torch.empty(B, T, H, V, **f32)
+    dht_c = dht.float().contiguous() if dht is not None else None
+    _bwd64_dstate_kernel[(N, H, V // BV)](
+        do, dht_c if dht_c is not None else q, dh, dh0 if dh0 is not None else q, du, fb["cu"], fb["chunk_offsets"],
+        fb["w"], fb["Aqk"], fb["kd"], fb["qg"], fb["gl"], T, NT,
+        H=H, K=K, V=V, BT=64, BV=BV, IS_VARLEN=is_varlen, USE_DHT=dht_c is not None, STORE_DH0=dh0 is not None,
+        DOT=st_dot, num_warps=num_warps,
+    )
+    if not n_chunks:
+        zero = (torch.zeros(H, **f32), torch.zeros(H * K, **f32)) if use_gate else (None, None)
+        return dq, dk, dv, dg, dbeta, dh0, *zero
+    bk, bv, nw, x_bf16 = _INTER64
+    BK = min(K, bk)
+    NK = K // BK
+    dAqk = torch.empty(B, T, H, 64, **f32)
+    dXb_part = torch.empty(NK + 1, n_chunks, H, 64, 64, **f32)
+    dq_part, dk_part, dG_part = (torch.empty(B, T, H, K, **f32) for _ in range(3))
+    dGl = torch.empty(n_chunks, H, K, **f32)
+    common = dict(IS_VARLEN=is_varlen, USE_GATE=use_gate, USE_BSIG=use_bsig)
+    _bwd64_inter_kernel[(n_chunks, H, NK + 1)](
+        q, k, v, g, beta, do, fb["h"], dh, fb["u"], du, fb["X"], fb["r"], fb["cu"], fb["chunk_indices"], *gate_ptrs,
+        dv, dAqk, dXb_part, dq_part, dk_part, dG_part, dGl, lower_bound, T, NT,
+        H=H, K=K, V=V, BT=64, BK=BK, BV=min(V, bv), NK=NK, DOT=dot_mode, XDOT=dot_mode if x_bf16 else x_dot,
+        **common, num_warps=nw,
+    )
+    ddt_part = torch.empty(n_chunks, H, K, **f32) if use_gate else q
+    dA_part = torch.empty(n_chunks, H, **f32) if use_gate else q
+    bc, nw, i_bf16 = _INTRA64
+    _bwd64_intra_kernel[(n_chunks, H)](
+        q, k, g, beta, fb["X"], fb["Akk"], fb["r"], dAqk, dXb_part, dq_part, dk_part, dG_part, dGl,
+        fb["cu"], fb["chunk_indices"], *gate_ptrs, dq, dk, dg, dbeta, ddt_part, dA_part, lower_bound, scale, T, NT,
+        H=H, K=K, BT=64, BC=min(K, bc), NK=NK, USE_L2=use_l2, XDOT=x_dot, IDOT=dot_mode if i_bf16 else x_dot,
+        **common, num_warps=nw,
+    )
+    dA_log, ddt_bias = (dA_part.sum(0), ddt_part.sum(0).reshape(H * K)) if use_gate else (None, None)
     return dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias

@@ -310,7 +310,7 @@ def test_chunk64_varlen_chunk_edges(dtype, K, block, cu, seed, output, monkeypat
     o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["z"], x["beta_raw"], initial_state=x["h0"],
                          output_final_state=True, cu_seqlens=cu_t, use_qk_l2norm_in_kernel=True,
                          use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
-                         use_beta_sigmoid_in_kernel=True, out=out, chunk_size=64, num_stages=1, prep_num_warps=2,
+                         use_beta_sigmoid_in_kernel=True, out=out, chunk_size=64, prep_num_warps=2,
                          output=output)
     assert torch.isfinite(out).all() and S.shape == (N, 2, K, 32)
     o_r, S_r = R.chunk_kda(x["q"].float(), x["k"].float(), x["v"].float(), x["g"], torch.sigmoid(x["beta_raw"]),
@@ -369,6 +369,15 @@ def test_chunk64_bad_options_raise():
         chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], state_dot="fp8")
     with pytest.raises(ValueError, match="prep_num_warps"):
         chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], prep_num_warps=4)
+    # one pipeline stage with bf16 state products: wrong states on the H200 (triton 3.6), refused on every backend
+    b = {n: x[n].bfloat16() for n in ("q", "k", "v")}
+    for kw in (dict(chunk_size=64), dict(chunk_size=16, output="stored")):
+        with pytest.raises(ValueError, match="num_stages=1"):
+            chunk_kda_fwd(b["q"], b["k"], b["v"], x["g"], x["beta"], num_stages=1, **kw)
+    # fp32 inputs, tf32 state products and the 16-token fused kernel (no such state kernel) still accept it
+    chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], num_stages=1)
+    chunk_kda_fwd(b["q"], b["k"], b["v"], x["g"], x["beta"], num_stages=1, state_dot="tf32")
+    chunk_kda_fwd(b["q"], b["k"], b["v"], x["g"], x["beta"], num_stages=1, chunk_size=16, output="fused")
 
 
 def test_chunk64_correlated_keys_bf16():
@@ -435,7 +444,7 @@ def test_stored_varlen_chunk_edges(dtype, chunk_size):
                          output_final_state=True, cu_seqlens=cu_t, use_qk_l2norm_in_kernel=True,
                          use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
                          use_beta_sigmoid_in_kernel=True, out=out, chunk_size=chunk_size, output="stored",
-                         num_stages=1, out_num_stages=1, out_num_warps=2)
+                         out_num_stages=1, out_num_warps=2)
     assert o is out and torch.isfinite(out).all() and S.shape == (N, 2, 32, 32)
     o_r, S_r = R.chunk_kda(x["q"].float(), x["k"].float(), x["v"].float(), x["g"], torch.sigmoid(x["beta_raw"]),
                            initial_state=x["h0"], output_final_state=True, cu_seqlens=cu_t,

@@ -11,6 +11,7 @@ token-loop recurrence; the finite-difference check of a directional derivative o
 # TRITON_INTERPRET is set by conftest.py when there is no GPU (before triton is first imported).
 
 import os
+import sys
 
 import pytest
 import torch
@@ -24,6 +25,16 @@ from k3_kernels.kda.triton_chunk_bwd import chunk_kda_bwd  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CORE = ("q", "k", "v", "g", "beta", "h0")
+BWD_CHUNK = 16  # set by the fixture below
+
+
+@pytest.fixture(autouse=True, params=[16, 64], ids=["bwd16", "bwd64"])
+def bwd_chunk(request, monkeypatch):
+    """Every test runs on both backward paths: 16-token tiles, and 64-token chunks built from four sub-tiles
+    (chunk_kda_bwd's chunk_size; through chunk_kda, _ChunkKDAFunction.bwd_options)."""
+    monkeypatch.setattr(sys.modules[__name__], "BWD_CHUNK", request.param)
+    monkeypatch.setattr(TC._ChunkKDAFunction, "bwd_options", {"chunk_size": request.param})
+    return request.param
 
 
 def make_core(B=2, T=16, H=2, K=16, V=32, seed=0, N=None, with_h0=True):
@@ -58,7 +69,7 @@ def ours(x, dtype=torch.float32, cu_seqlens=None, scale=None, **kw):
     dq, dk, dv, dg, db, dh0, dA, ddt = chunk_kda_bwd(
         c["q"], c["k"], c["v"], x["g"].float(), x["beta"].to(dtype), c["do"], scale=scale,
         initial_state=None if x["h0"] is None else x["h0"].float(), dht=x["dht"].float(), cu_seqlens=cu_seqlens,
-        **kw,
+        chunk_size=BWD_CHUNK, **kw,
     )
     assert dA is None and ddt is None  # no in-kernel gate
     # each gradient in its input's dtype; compared in fp32
@@ -191,6 +202,8 @@ def test_core_bad_inputs_raise():
         chunk_kda_bwd(*args, x["do"].float(), block_v=24)
     with pytest.raises(ValueError, match="chunk_block_v"):
         chunk_kda_bwd(*args, x["do"].float(), chunk_block_v=64)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunk_kda_bwd(*args, x["do"].float(), chunk_size=32)
     with pytest.raises(ValueError, match="beta"):
         chunk_kda_bwd(*args[:4], f["beta"][..., :1], x["do"].float())
     with pytest.raises(ValueError, match="g must satisfy"):
@@ -206,6 +219,24 @@ def test_core_k3_head_dims():
     """K = V = 128 as in K3 (default block_v = 32: four V-blocks), one chunk and a partial one."""
     x = make_core(B=1, T=20, H=1, K=128, V=128, seed=29)
     assert_close(ours(x), ref_grads(x), 1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_core_varlen_64_chunk_edges(dtype, bwd_chunk):
+    """Sequences that end on and inside 64-chunks and 16-token sub-tiles, a 1-token one, the in-kernel gate
+    saturated at the bound in half the channels (so G reaches -320 inside a 64-chunk), K = 32 in two channel
+    slices of the 64-token kernels, two V-blocks."""
+    cu = [0, 64, 65, 129, 176, 240, 304]
+    x = make_core(B=1, T=cu[-1], K=32, N=len(cu) - 1, seed=71)
+    x["g"][..., ::2] = -5.0
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+    if dtype == torch.float32:
+        want, tol = ref_grads(x, cu_seqlens=cu_t), 1e-4
+    else:
+        xb = {n: None if t is None else (t.to(dtype).float() if n in ("q", "k", "v", "do", "beta") else t)
+              for n, t in x.items()}
+        want, tol = ref_grads(xb, cu_seqlens=cu_t), 2e-2
+    assert_close(ours(x, dtype=dtype, cu_seqlens=cu_t, block_v=16), want, tol)
 
 
 def test_core_empty_sequence():
