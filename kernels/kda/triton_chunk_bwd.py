@@ -102,7 +102,8 @@ import triton
 import triton.language as tl
 
 from . import reference as _ref
-from .triton_chunk import _beta_of, _bias_cols, _chunk_of, _ks_sub, _mm64, _rows_of, _seq_of
+from .triton_chunk import (_beta_of, _bias_cols, _chunk_of, _ks_sub, _mm64, _rows_of, _seq_of, _stored_fwd,
+                           check_gate_args)
 
 __all__ = ["chunk_kda_bwd"]
 
@@ -702,8 +703,6 @@ def chunk_kda_bwd(
     """
     B, T, H, K, V, N = _ref._validate(q, k, v, g, beta, initial_state, cu_seqlens)
     if use_gate_in_kernel:
-        from .triton_chunk import check_gate_args
-
         check_gate_args(A_log, dt_bias, lower_bound, H, K)
     if not (_is_pow2(K) and _is_pow2(V)):
         raise ValueError(f"K and V must be powers of two >= 16 for the Triton kernel, got K={K}, V={V}")
@@ -830,8 +829,6 @@ def _chunk_kda_bwd64(q, k, v, g, beta, do, scale, h0, dht, cu_seqlens, dims, gat
     """The 64-token backward: the forward's 64-token prep and state kernels recompute w, u0, qg, kd, Aqk, X, Akk,
     h and u (``triton_chunk._stored_fwd(for_backward=True)``), then ``_bwd64_dstate_kernel`` (sequential),
     ``_bwd64_inter_kernel`` and ``_bwd64_intra_kernel`` (parallel over chunks)."""
-    from . import triton_chunk as _fwd
-
     B, T, H, K, V, N = dims
     use_gate, use_bsig, use_l2 = flags
     dq, dk, dv, dg, dbeta, dh0 = outs
@@ -844,9 +841,9 @@ def _chunk_kda_bwd64(q, k, v, g, beta, do, scale, h0, dht, cu_seqlens, dims, gat
     gate_ptrs = (A_log.contiguous(), dt_bias.contiguous()) if use_gate else (q, q)
     h0f = h0.float().contiguous() if h0 is not None else None
     # the forward's own buffers and numerics (its defaults: bf16 state products, low-precision buffers)
-    fb = _fwd._stored_fwd(q, k, v, g, beta, q, h0f, None, cu_seqlens, gate_ptrs, scale, lower_bound, dims, 64,
-                          min(V, 64), min(V, 128), dot_mode, 4, None, None, 4, None, "bf16", True, state_dtype,
-                          flags, for_backward=True)
+    fb = _stored_fwd(q, k, v, g, beta, q, h0f, None, cu_seqlens, gate_ptrs, scale, lower_bound, dims, 64,
+                     min(V, 64), min(V, 128), dot_mode, 4, None, None, 4, None, "bf16", True, state_dtype, flags,
+                     for_backward=True)
     n_chunks, NT, is_varlen = fb["n_chunks"], max(fb["NT"], 1), cu_seqlens is not None
     st_dot, x_dot = fb["st_dot"], fb["wu_dot"]
     BV = block_v or min(V, 32)
