@@ -5,8 +5,9 @@ a kernel can pass there and still fail to compile on the GPU (triton 3.6 rejecte
 interpreter ran). This script runs each op's public Python wrapper on small CPU tensors with `JITFunction.run`
 replaced by `triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`: the launch configurations are the
 ones the wrappers really pick (block sizes, flags, dtypes), the kernels are compiled through TTIR, TTGIR, LLVM,
-PTX and ptxas (shipped in the wheel), and nothing is launched. Outputs of the "launches" are left unwritten, so
-nothing is checked numerically here: that is what the tests are for.
+PTX and ptxas (shipped in the wheel), and nothing is launched. A kernel that needs more shared memory than an
+H200 block may have (the launch would raise OutOfResources) fails too. Outputs of the "launches" are left
+unwritten, so nothing is checked numerically here: that is what the tests are for.
 
     python benchmarks/compile_check.py                      # the installed triton
     PYTHONPATH=/tmp/t36 python benchmarks/compile_check.py  # e.g. a triton 3.6.0 wheel unzipped into /tmp/t36
@@ -34,6 +35,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 TARGET = GPUTarget("cuda", 90, 32)  # H200: compute capability 9.0, warps of 32
+H200_SHARED_BYTES = 232448  # opt-in shared memory a block may use on sm_90 (227 KB)
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
            torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
            torch.bool: "i1"}
@@ -76,9 +78,13 @@ def _compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
     if key in compiled:
         return None
     try:
-        triton.compile(ASTSource(fn=self, signature=signature, constexprs=constexprs, attrs=attrs), target=TARGET,
-                       options=options or None)
-        compiled[key] = "ok"
+        kernel = triton.compile(ASTSource(fn=self, signature=signature, constexprs=constexprs, attrs=attrs),
+                                target=TARGET, options=options or None)
+        # The shared-memory check happens at load time on the GPU, not in triton.compile: do it here.
+        shared = kernel.metadata.shared
+        compiled[key] = "ok" if shared <= H200_SHARED_BYTES else (
+            f"FAILED in case {_current_case[0]}: needs {shared} bytes of shared memory, the H200 has "
+            f"{H200_SHARED_BYTES}")
     except Exception as exc:  # noqa: BLE001 - every failure is reported, then the script exits 1
         compiled[key] = f"FAILED in case {_current_case[0]}: {type(exc).__name__}: {exc}"
     return None
@@ -111,18 +117,21 @@ def _moe_cases():
     # Tunable launches at K3 shapes: a 128x128x64 8-warp prefill tile (gate_up's two accumulators make it 128 x 256),
     # the sorted reduce, a wide-K decode tile; then every config `benchmarks/moe.py --sweep` times, so the sweep
     # meets no compile failure on the GPU.
+    # (config, formats): the wide-K decode tile is MXFP4's (with bf16's 128-wide, 4-stage decode tile it would need
+    # 408 KB of shared memory)
+    both = ("mxfp4", "bf16")
     extra = [
-        {"block_m": 128, "gate_up": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
-         "down": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}},
-        {"block_m": 64, "reduce": "sorted", "down": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 4}},
-        {"block_m": 16, "reduce": "sorted", "gate_up": {"BLOCK_K": 256}, "down": {"BLOCK_K": 256}},
+        ({"block_m": 128, "gate_up": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+          "down": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}}, both),
+        ({"block_m": 64, "reduce": "sorted", "down": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 4}}, both),
+        ({"block_m": 16, "reduce": "sorted", "gate_up": {"BLOCK_K": 256}, "down": {"BLOCK_K": 256}}, ("mxfp4",)),
     ]
     spec = importlib.util.spec_from_file_location("_moe_bench", Path(__file__).with_name("moe.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    sweep = [c for regime in bench.SWEEP_CONFIGS.values() for c in regime if c is not None]
-    for i, config in enumerate(extra + sweep):
-        for fmt in ("mxfp4", "bf16"):
+    sweep = [(c, both) for regime in bench.SWEEP_CONFIGS.values() for c in regime if c is not None]
+    for i, (config, formats) in enumerate(extra + sweep):
+        for fmt in formats:
             for order in ("expert", "tile"):  # the sweep runs each config in both program orders
                 cfg = {**config, "order": order}
                 yield f"moe {fmt} K3 config {i} {cfg}", lambda: run(fmt, 3584, 3072, 64, config=cfg)
@@ -157,17 +166,27 @@ def _kda_cases():
         chunk_kda_bwd = None
     if chunk_kda_bwd is not None:
         h0 = torch.zeros(B, H, K, K)
-        yield "kda chunk backward", lambda: chunk_kda_bwd(q, q, q, g, beta, q, initial_state=h0, dht=h0)
-        yield "kda chunk backward bf16 states", lambda: chunk_kda_bwd(q, q, q, g, beta, q, state_dtype=torch.bfloat16)
-        yield "kda chunk backward, in-kernel gate/l2norm/beta", lambda: chunk_kda_bwd(
-            q, q, q, g, beta, q, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **gate)
-        yield "kda chunk backward, l2norm only (the model's call)", lambda: chunk_kda_bwd(
-            q, q, q, g, beta, q, use_qk_l2norm_in_kernel=True)
-        # the 64-token backward (recompute through the forward's kernels with X / Akk kept, then three kernels)
-        yield "kda chunk64 backward", lambda: chunk_kda_bwd(q, q, q, g, beta, q, initial_state=h0, dht=h0,
-                                                            chunk_size=64)
+        # the 16-token backward
+        yield "kda chunk16 backward", lambda: chunk_kda_bwd(q, q, q, g, beta, q, initial_state=h0, dht=h0,
+                                                            chunk_size=16)
+        yield "kda chunk16 backward fp32 states", lambda: chunk_kda_bwd(q, q, q, g, beta, q, chunk_size=16,
+                                                                        state_dtype=torch.float32)
+        yield "kda chunk16 backward, in-kernel gate/l2norm/beta", lambda: chunk_kda_bwd(
+            q, q, q, g, beta, q, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, chunk_size=16, **gate)
+        yield "kda chunk16 backward, l2norm only", lambda: chunk_kda_bwd(
+            q, q, q, g, beta, q, use_qk_l2norm_in_kernel=True, chunk_size=16)
+        # the 64-token backward (the default: recompute through the forward's kernels with X / Akk kept, then the
+        # state-gradient carry, the inter, UT, intra and L2-norm kernels), bf16 and fp32 inputs (the tests' K3
+        # head dims in fp32 once needed 256 KB of shared memory in the carry kernel)
+        yield "kda chunk64 backward", lambda: chunk_kda_bwd(q, q, q, g, beta, q, initial_state=h0, dht=h0)
         yield "kda chunk64 backward, in-kernel gate/l2norm/beta", lambda: chunk_kda_bwd(
-            q, q, q, g, beta, q, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, chunk_size=64, **gate)
+            q, q, q, g, beta, q, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **gate)
+        yield "kda chunk64 backward, l2norm only (the model's call)", lambda: chunk_kda_bwd(
+            q, q, q, g, beta, q, use_qk_l2norm_in_kernel=True)
+        qf = q.float()
+        yield "kda chunk64 backward fp32, in-kernel gate/l2norm/beta", lambda: chunk_kda_bwd(
+            qf, qf, qf, g, beta.float(), qf, initial_state=h0, dht=h0, use_qk_l2norm_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True, **gate)
     yield "kda recurrent", lambda: fused_recurrent_kda(
         q[:, :1], q[:, :1], q[:, :1], g[:, :1], beta[:, :1], initial_state=torch.zeros(B, H, K, K),
         output_final_state=True)

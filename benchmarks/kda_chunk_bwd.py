@@ -3,7 +3,8 @@
 Shapes: B = 1, H = 96, K = V = 128, bf16 q/k/v/z/beta, fp32 A_log/dt_bias and h0; T = 8K and 32K. Both run
 with the in-kernel gate (`lower_bound * sigmoid(exp(A_log) * (z + dt_bias))`, lower_bound = -5), in-kernel
 beta sigmoid and q/k L2 norm. Our forward is `triton_chunk.chunk_kda_fwd`, our backward the Triton core of
-`kernels/kda/triton_chunk_bwd.py` (16-token chunks with fp32 and with bf16 stored states, then 64-token chunks).
+`kernels/kda/triton_chunk_bwd.py` (16-token chunks with fp32 and with bf16 stored states, then 64-token chunks,
+the default).
 
 First a gradient-agreement check at a small shape: every gradient (q, k, v, z, beta logits, A_log, dt_bias,
 h0) of ours and of fla against autograd through the fp32 torch reference (rel_err = max|a - b| / max|b|).
@@ -113,7 +114,7 @@ def bench(fn):
 
 
 def profile(label, fn, T=8192, iters=5):
-    """CUDA time per kernel of fn's forward + backward (ours: fp32 states), averaged over iters calls after a
+    """CUDA time per kernel of fn's forward + backward (ours: its default backward), averaged over iters calls after a
     warm-up: which backward kernels and which torch elementwise work around them bound the step."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -166,7 +167,7 @@ def main():
             profile("fla", fla)
 
     if args.sweep:
-        print("## sweep of our backward kernels' tiling, forward + backward ms at T=8K (fp32 states)\n")
+        print("## sweep of our 16-token backward kernels' tiling, forward + backward ms at T=8K\n")
         print("| block_v | num_warps | chunk_block_v | chunk_num_warps | chunk_num_stages | ms |\n|---|---|---|---|---|---|")
         x = inputs(8192)
         do = torch.randn(1, 8192, H, V, device=DEV).bfloat16()
@@ -178,8 +179,8 @@ def main():
         configs += [(32, 4, cbv, cw, ns) for cbv, cw, ns in (
             (16, 8, None), (16, 8, 1), (16, 8, 2), (32, 8, 1), (32, 8, 2), (32, 8, None), (64, 8, 1), (16, 4, 1))]
         for bv, nw, cbv, cw, ns in configs:
-            TC._ChunkKDAFunction.bwd_options = dict(block_v=bv, num_warps=nw, chunk_block_v=cbv, chunk_num_warps=cw,
-                                                    chunk_num_stages=ns)
+            TC._ChunkKDAFunction.bwd_options = dict(chunk_size=16, block_v=bv, num_warps=nw, chunk_block_v=cbv,
+                                                    chunk_num_warps=cw, chunk_num_stages=ns)
             try:
                 t = f"{bench(lambda: grads(ours, x, do, dS)):.2f}"
             except Exception as e:  # e.g. out of registers / shared memory for a config
@@ -191,7 +192,7 @@ def main():
 
     print("## forward + backward, B=1, H=96, K=V=128, bf16, in-kernel gate / beta sigmoid / L2 norm\n")
     print("| T | ours fwd ms | ours fwd+bwd ms (16-token bwd, fp32 states) | ours fwd+bwd ms (16-token bwd, bf16 "
-          "states: default) | ours fwd+bwd ms (64-token bwd) | fla fwd ms | fla fwd+bwd ms | fla / ours best |")
+          "states) | ours fwd+bwd ms (64-token bwd: default) | fla fwd ms | fla fwd+bwd ms | fla / ours best |")
     print("|---|---|---|---|---|---|---|---|")
     for T in (int(t) for t in args.ts.split(",")):
         x = inputs(T)
@@ -208,8 +209,8 @@ def main():
 
         t_of = bench(lambda: fwd(ours))
         times = []
-        # the 16-token backward with fp32 and with bf16 stored states (the default), the 64-token backward
-        for opts in (dict(state_dtype=torch.float32), {}, dict(chunk_size=64)):
+        # the 16-token backward with fp32 and with bf16 stored states, the 64-token backward (the default)
+        for opts in (dict(chunk_size=16, state_dtype=torch.float32), dict(chunk_size=16), {}):
             TC._ChunkKDAFunction.bwd_options = opts
             try:
                 times.append(bench(lambda: fb(ours)))

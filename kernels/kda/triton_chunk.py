@@ -1244,10 +1244,11 @@ def chunk_kda(
     initial_state: [N, H, K, V]. Returns (o [B, T, H, V] in v.dtype, final_state fp32 [N, H, K, V] or None).
 
     Forward: :func:`chunk_kda_fwd` with its defaults (64-token chunks, bf16 state products). Backward: the
-    Triton core backward of ``triton_chunk_bwd`` (through the in-kernel gate / beta / L2-norm preprocessing as
-    well); the fp32 reference recompute is kept selectable (see the module docstring). ``output`` ("fused" or "stored")
-    and ``forward_options`` (other keyword arguments of :func:`chunk_kda_fwd`, e.g. ``chunk_size``,
-    ``block_v``) only change the forward kernels; the backward is the same.
+    Triton core backward of ``triton_chunk_bwd`` (64-token chunks by default; through the in-kernel gate / beta /
+    L2-norm preprocessing as well; ``_ChunkKDAFunction.bwd_options`` passes it options); the fp32 reference
+    recompute is kept selectable (see the module docstring). ``output`` ("fused" or "stored") and
+    ``forward_options`` (other keyword arguments of :func:`chunk_kda_fwd`, e.g. ``chunk_size``, ``block_v``) only
+    change the forward kernels; the backward is the same.
     """
     fwd_options = dict(forward_options or {})
     if "output" in fwd_options and fwd_options["output"] != output:

@@ -1,4 +1,4 @@
-"""Chunked KDA backward in Triton (bounded gate; 16-token tiles by default, 64-token chunks as an option), the
+"""Chunked KDA backward in Triton (bounded gate; 64-token chunks by default, 16-token tiles as an option), the
 counterpart of ``triton_chunk``.
 
 The core maths below works on post-activation inputs: q, k (L2-normalised), v, g = per-step fp32 log decay with
@@ -42,7 +42,7 @@ Backward, given do [C, V] and dS_out [K, V] (the adjoint of the state after the 
 Tokens past a sequence's end load as q = k = v = g = beta = 0 (their G equals the last real G, so Gl is the
 same as at the last real token; their X rows are set to identity rows, their u, w, du rows vanish).
 
-Four kernels:
+16-token tiles (``chunk_size=16``), four kernels:
 
 1. ``_bwd_prep_kernel`` (parallel over (chunk, head)): X, w = X B1, Aqk, and the post-activation kd, qg, beta
    and e^Gl stored (fp32; 16 + 3 K + 17 floats per token-head), so the two sequential kernels load their
@@ -58,8 +58,8 @@ Four kernels:
    needed (deterministic), then goes down through X to dq, dk, dg, dbeta and through the preprocessing to the
    raw inputs; dv is written per V-block.
 
-64-token chunks (``chunk_size=64``; same maths with C = 64, X and the products through it taken as whole
-[64, 64] tiles, ``Xb = X diag(beta)``, so dXb = du v^T + dw kg^T, dv = Xb^T du, dkg = Xb^T dw,
+64-token chunks (``chunk_size=64``, the default; same maths with C = 64, X and the products through it taken as
+whole [64, 64] tiles, ``Xb = X diag(beta)``, so dXb = du v^T + dw kg^T, dv = Xb^T du, dkg = Xb^T dw,
 dX = dXb diag(beta), dbeta gains colsum(dXb * X)):
 
 1. the forward's own 64-token kernels recompute w, u0, qg, kd, Aqk, G_last, h (bf16 for bf16 inputs) and u,
@@ -67,30 +67,35 @@ dX = dXb diag(beta), dbeta gains colsum(dXb * X)):
 2. ``_bwd64_dstate_kernel``: the reverse carry above over 64-token chunks (dh, du);
 3. ``_bwd64_inter_kernel``, parallel over (chunk, head, K-block + 1): the sums over V and the inter-chunk
    gradients in fp32 scratch, Xb's gradient as per-program partials (deterministic, no atomics);
-4. ``_bwd64_intra_kernel``, parallel over (chunk, head): the UT inverse's backward, then the intra-chunk
-   products dAqk -> dq, dk and dA -> dk with the forward's sub-tile references (G spans (-320, 0] over a
-   64-chunk, so e^{G_i - G_j} is split as F_I E_I around the reference of the row's sub-tile), dg, the gate's
-   and the L2 norms' backward.
+4. ``_bwd64_ut_kernel``, parallel over (chunk, head): the UT inverse's backward (dA to fp32 scratch, dbeta);
+5. ``_bwd64_intra_kernel``, parallel over (K slice, chunk, head): the intra-chunk products dAqk -> dq, dk and
+   dA -> dk as batches of four [16, 64] x [64, BC] dots, one per 16-row sub-tile, each around a reference inside
+   its sub-tile (G spans (-320, 0] over a 64-chunk, so e^{G_i - G_j} must be split), then dg (the whole chunk's
+   rows are in the program, so the reverse cumsum is local) and the gate's backward;
+6. ``_bwd64_l2_kernel`` (with the in-kernel L2 norm): the norms' backward, from the intra kernel's per-slice row
+   sums.
 
-Measured on the H200 at T = 8K, H = 96, K = V = 128 (BENCHMARKS.md, ninth session): correct (within 7e-3 of
-autograd through the fp32 reference at T = 300, as the 16-token path), but 17.7 ms forward + backward against
-17.1 for the 16-token default: the intra kernel alone takes 7.9 ms (its masked [64, 64] x [64, 16] products
-do 4x the useful work and keep two [64, 64] fp32 tiles live), the inter kernel 3.6. So it stays opt-in.
+Measured on the H200 at T = 8K, H = 96, K = V = 128 (BENCHMARKS.md, tenth session): 14.6 ms forward + backward
+against 17.0 for the 16-token path, within 7e-3 of autograd through the fp32 reference at T = 300 (as the
+16-token path). Its bounds: the intra kernel (4.0 ms), the inter kernel (3.6 ms) and the forward recompute.
 
 Precision: every tile is loaded into fp32 (so the Triton interpreter's bf16-dot problem does not arise);
 products are exact fp32 ("ieee") for fp32 inputs and tf32 for bf16 inputs, except the small products with X
 (always "ieee"). The carried dS is fp32. The stored per-chunk h and dh are bf16 for bf16 inputs (as the
 forward's h and fla's; 19.1 -> 17.1 ms forward + backward at T = 8K on the H200, gradients within ~3-5e-3 of
 the fp32 reference at T = 65) and fp32 for fp32 inputs; ``state_dtype`` overrides. Memory: h and dh are
-NT * H * K * V each (NT = number of 16-token chunks), ~6.4 GB each in bf16 at T = 32K, H = 96, K = V = 128;
-u and du 1.6 GB each there. The 64-token path's fp32 scratch (dq, dk, dG partials, dAqk, Xb's partials) is
-about 1.3 GB at T = 8K there, 4x that at 32K.
+NT * H * K * V each (NT = number of chunks): ~1.6 GB each in bf16 at T = 32K, H = 96, K = V = 128 with
+64-token chunks, 6.4 GB with 16-token ones; u and du 1.6 GB each there. The 64-token path's fp32 scratch of
+the parallel kernels (dq, dk, dG partials 1.2 GB, Xb's partials 0.6 GB, dAqk and dA 0.2 GB each) is about
+2.2 GB at T = 8K there, 4x that at 32K.
 
-Registers (compiled ahead of time for sm_90a with triton 3.6, ptxas -v, K = V = 128, tf32): the sequential
-kernels at block_v = 32 and 4 warps spill <= 80 bytes; the per-chunk kernel at chunk_block_v = 16 and 8 warps
-spills nothing, with 4 warps ~0.5-1 KB, yet 32 / 4 warps / 1 stage is the fastest measured (fewer, larger V
-steps and more programs resident per SM outweigh the spill traffic). The fp32-input ("ieee") variants spill
-more; they serve fp32 training and the tests, not the bf16 fast path. Timings on an H200: benchmarks/kda_chunk_bwd.py.
+Registers of the 16-token path (compiled ahead of time for sm_90a with triton 3.6, ptxas -v, K = V = 128,
+tf32): the sequential kernels at block_v = 32 and 4 warps spill <= 80 bytes; the per-chunk kernel at
+chunk_block_v = 16 and 8 warps spills nothing, with 4 warps ~0.5-1 KB, yet 32 / 4 warps / 1 stage is the
+fastest measured (fewer, larger V steps and more programs resident per SM outweigh the spill traffic). The
+64-token intra kernel at its default (BC 32, 4 warps) uses 255 registers and spills ~0.5 KB; BC 16 spills
+20 bytes and was slower (BENCHMARKS.md, tenth session). The fp32-input ("ieee") variants spill more; they serve
+fp32 training and the tests, not the bf16 fast path. Timings on an H200: benchmarks/kda_chunk_bwd.py.
 """
 
 from __future__ import annotations
@@ -466,18 +471,20 @@ def _bwd64_dstate_kernel(
 
 
 @triton.jit
-def _chunk64_X(X_buf, cu_seqlens, chunk_indices, i_c, i_h, T, NT, H: tl.constexpr, BT: tl.constexpr,
-               IS_VARLEN: tl.constexpr):
+def _chunk64_rows(cu_seqlens, chunk_indices, i_c, i_h, T, NT, H: tl.constexpr, BT: tl.constexpr,
+                  IS_VARLEN: tl.constexpr):
     """Rows (flat token index, in-sequence mask) of global 64-chunk i_c, the [BT, BT] offsets and the chunk-head
-    index, and its UT inverse X (block lower triangular: the blocks above the 16-row diagonal ones were never
-    written)."""
+    index."""
     bos, L, i_t = _chunk_of(cu_seqlens, chunk_indices, i_c, T, NT, IS_VARLEN)
     rows, m_t = _rows_of(bos, L, i_t * BT, BT)
     o_t = tl.arange(0, BT)
-    p_cc = o_t[:, None] * BT + o_t[None, :]
-    cid = (i_c * H + i_h).to(tl.int64)
-    X = tl.load(X_buf + cid * (BT * BT) + p_cc, mask=(o_t[:, None] // 16) >= (o_t[None, :] // 16), other=0.0)
-    return rows, m_t, o_t, p_cc, cid, X
+    return rows, m_t, o_t, o_t[:, None] * BT + o_t[None, :], (i_c * H + i_h).to(tl.int64)
+
+
+@triton.jit
+def _load_X64(X_buf, cid, o_t, p_cc, BT: tl.constexpr):
+    # the chunk's UT inverse X, block lower triangular: the blocks above the 16-row diagonal ones were never written
+    return tl.load(X_buf + cid * (BT * BT) + p_cc, mask=(o_t[:, None] // 16) >= (o_t[None, :] // 16), other=0.0)
 
 
 @triton.jit
@@ -492,16 +499,17 @@ def _bwd64_inter_kernel(
     u, du and do. Programs p < NK take the K-block p: dqg = do S^T, dw = -du S^T, dkd = u dS_out^T and
     dGl, then, with w = Xb kg: dkg = Xb^T dw and Xb's partial gradient dw kg^T, and store the inter-chunk parts
     of the gradients with respect to qt = s q / |q|, kh = k / |k| and G (fp32 scratch). Program NK takes what
-    does not depend on K: dAqk = do u^T, Xb's partial gradient du v^T, and dv = Xb^T du. Xb = X diag(beta)."""
+    does not depend on K: dAqk = do u^T, Xb's partial gradient du v^T, and dv = Xb^T du. Xb = X diag(beta) is
+    loaded where it is used (after the V loop for p < NK), so it does not hold registers across the loop."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     i_p = tl.program_id(2)
     n_chunks = tl.num_programs(0)
-    rows, m_t, o_t, p_cc, cid, X = _chunk64_X(X_buf, cu_seqlens, chunk_indices, i_c, i_h, T, NT, H, BT, IS_VARLEN)
+    rows, m_t, o_t, p_cc, cid = _chunk64_rows(cu_seqlens, chunk_indices, i_c, i_h, T, NT, H, BT, IS_VARLEN)
     m2 = m_t[:, None]
-    Xb = X * _beta_of(beta, rows, m_t, i_h, H, USE_BSIG)[None, :]
     p_part = dXb_part + (i_p * n_chunks * H + cid) * (BT * BT) + p_cc
     if i_p == NK:
+        Xb = _load_X64(X_buf, cid, o_t, p_cc, BT) * _beta_of(beta, rows, m_t, i_h, H, USE_BSIG)[None, :]
         dA = tl.zeros([BT, BT], dtype=tl.float32)
         dXv = tl.zeros([BT, BT], dtype=tl.float32)
         for vv in range(0, V, BV):
@@ -551,6 +559,7 @@ def _bwd64_inter_kernel(
         kg = kh * eG
         qg = qt * eG
         kd = kh * ed
+        Xb = _load_X64(X_buf, cid, o_t, p_cc, BT) * _beta_of(beta, rows, m_t, i_h, H, USE_BSIG)[None, :]
         dkg = _mm64(tl.trans(Xb), dw, XDOT)
         tl.store(p_part, _mm64(dw, tl.trans(kg), XDOT))
         p = (rows[:, None] * H + i_h) * K + o_k[None, :]
@@ -561,31 +570,22 @@ def _bwd64_inter_kernel(
 
 
 @triton.jit
-def _bwd64_intra_kernel(
-    q, k, g, beta, X_buf, Akk_buf, r_buf, dAqk_buf, dXb_part, dq_part, dk_part, dG_part, dGl_buf,
-    cu_seqlens, chunk_indices, A_log, dt_bias, dq, dk, dg, dbeta, ddt_part, dA_part, lower_bound, scale, T, NT,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, NK: tl.constexpr,
-    IS_VARLEN: tl.constexpr, USE_GATE: tl.constexpr, USE_BSIG: tl.constexpr, USE_L2: tl.constexpr,
+def _bwd64_ut_kernel(
+    beta, X_buf, Akk_buf, dXb_part, dA_buf, dbeta, cu_seqlens, chunk_indices, T, NT,
+    H: tl.constexpr, BT: tl.constexpr, NK: tl.constexpr, IS_VARLEN: tl.constexpr, USE_BSIG: tl.constexpr,
     XDOT: tl.constexpr,
 ):
-    """Per (64-chunk, head): down through the UT inverse (dXb -> dX -> dM -> dA, dbeta), then the intra-chunk
-    products dAqk -> (dqt, dkh) and dA -> dkh with the sub-tile references of triton_chunk's 64-token forward,
-    one K slice of BC channels at a time; adds the inter-chunk parts, takes dG to dg (reverse cumsum, G_last's
-    gradient, the in-kernel gate), and finally goes back through the L2 norms to the raw q and k.
-
-    For row sub-tile I (rows 16 I .. 16 I + 15) the reference r_I is G at the end of sub-tile I - 1 (0 for I = 0),
-    E_I = e^{r_I - G_j} on the columns j of sub-tiles <= I (in [0, 80] on sub-tile I, <= 0 before it; 0 after
-    it) and F_I = e^{G_i - r_I} on the rows of sub-tile I (in [-80, 0], 0 elsewhere), so e^{G_i - G_j} = F_I E_I
-    and every intra product is a plain [64, 64] x [64, BC] dot (rows or columns outside the sub-tile vanish)."""
+    """Per (64-chunk, head): down through the UT inverse, dXb (the inter kernel's NK + 1 partials) -> dX -> dM ->
+    dA = strict(diag(beta) dM) and dbeta. dA goes to chunk-major fp32 scratch [chunks, H, 64, 64], read by
+    blocks of 16 rows and of 16 columns by the intra kernel."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     n_chunks = tl.num_programs(0)
-    rows, m_t, o_t, p_cc, cid, X = _chunk64_X(X_buf, cu_seqlens, chunk_indices, i_c, i_h, T, NT, H, BT, IS_VARLEN)
-    m2 = m_t[:, None]
+    rows, m_t, o_t, p_cc, cid = _chunk64_rows(cu_seqlens, chunk_indices, i_c, i_h, T, NT, H, BT, IS_VARLEN)
+    X = _load_X64(X_buf, cid, o_t, p_cc, BT)
     strict = o_t[:, None] > o_t[None, :]
     b_beta = _beta_of(beta, rows, m_t, i_h, H, USE_BSIG)
-    p_rc = (rows[:, None] * H + i_h) * BT + o_t[None, :]
-    Akk = tl.load(Akk_buf + p_rc, mask=m2, other=0.0)
+    Akk = tl.load(Akk_buf + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=m_t[:, None], other=0.0)
     dXb = tl.zeros([BT, BT], dtype=tl.float32)
     for i_p in tl.static_range(NK + 1):
         dXb += tl.load(dXb_part + (i_p * n_chunks * H + cid) * (BT * BT) + p_cc)
@@ -593,75 +593,124 @@ def _bwd64_intra_kernel(
     db = tl.sum(dXb * X, axis=0)
     dM = -_mm64(_mm64(tl.trans(X), dXb * b_beta[None, :], XDOT), tl.trans(X), XDOT)
     db += tl.sum(tl.where(strict, dM * Akk, 0.0), axis=1)
-    dA = tl.where(strict, b_beta[:, None] * dM, 0.0)
+    tl.store(dA_buf + cid * (BT * BT) + p_cc, tl.where(strict, b_beta[:, None] * dM, 0.0))
     if USE_BSIG:
         db = db * b_beta * (1.0 - b_beta)
     tl.store(dbeta + rows * H + i_h, db.to(dbeta.dtype.element_ty), mask=m_t)
-    dAqk = tl.load(dAqk_buf + p_rc, mask=m2, other=0.0)
 
-    rq = tl.load(r_buf + (rows * H + i_h) * 2, mask=m_t, other=0.0)  # s / |q|
-    rk = tl.load(r_buf + (rows * H + i_h) * 2 + 1, mask=m_t, other=0.0)  # 1 / |k|
+
+@triton.jit
+def _bwd64_intra_kernel(
+    q, k, g, r_buf, dAqk_buf, dA_buf, dq_part, dk_part, dG_part, dGl_buf, cu_seqlens, chunk_indices, A_log,
+    dt_bias, dq, dk, dg, ddt_part, dA_part, row_part, lower_bound, scale, T, NT,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_GATE: tl.constexpr, USE_L2: tl.constexpr, XDOT: tl.constexpr,
+):
+    """Per (K slice of BC channels, 64-chunk, head): the intra-chunk products dAqk -> (dqt, dkh) and dA -> dkh,
+    batched over the four 16-row sub-tiles I; adds the inter-chunk parts, takes dG to dg (reverse cumsum over the
+    chunk, G_last's gradient, the in-kernel gate) and stores dqt, dkh with their per-slice row sums for the L2 norms'
+    backward (``_bwd64_l2_kernel``), or dq, dk directly without the in-kernel norm.
+
+    G spans (-320, 0] over a 64-chunk, so e^{G_i - G_j} is split around a reference on the sub-tile's side:
+    - rows i of sub-tile I against columns j of sub-tiles <= I: around r_I = G at the end of sub-tile I - 1
+      (0 for I = 0): e^{G_i - r_I} (exponent in [-80, 0]) and e^{r_I - G_j} (exponent in [0, 80] on sub-tile I,
+      <= 0 before it);
+    - columns j of sub-tile I against rows i of sub-tiles >= I: around e_I = G at the end of sub-tile I:
+      e^{G_i - e_I} (exponent in [0, 75] on sub-tile I, <= 0 after it; an underflow there is below fp32 anyway)
+      and e^{e_I - G_j} <= 1.
+    So each product is a batch of four [16, 64] x [64, BC] dots: the sub-tiles' rows of dAqk / dA against the
+    chunk's right factors, and their columns (loaded transposed) against the left ones; the causal / strict zeros
+    of dAqk / dA and the -inf exponents outside the sub-tiles in range do the masking."""
+    i_k = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_h = tl.program_id(2)
+    rows, m_t, o_t, _, cid = _chunk64_rows(cu_seqlens, chunk_indices, i_c, i_h, T, NT, H, BT, IS_VARLEN)
+    m2 = m_t[:, None]
+    o_c = i_k * BC + tl.arange(0, BC)
     a_h = 0.0
     if USE_GATE:
         a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    blk = o_t // 16
-    d_alog = tl.zeros([BC], dtype=tl.float32)
-    row_q = tl.zeros([BT], dtype=tl.float32)
-    row_k = tl.zeros([BT], dtype=tl.float32)
-    for cc in range(0, K, BC):
-        o_c = cc + tl.arange(0, BC)
-        bias = _bias_cols(dt_bias, i_h, o_c, K, USE_GATE)
-        b_q, b_k, G, gl = _ks_sub(q, k, g, rows, m_t, i_h, o_c, a_h, bias, lower_bound,
-                                  tl.zeros([BC], dtype=tl.float32), H, K, BT, USE_GATE)
-        qt = b_q * rq[:, None]
-        kh = b_k * rk[:, None]
-        dqi = tl.zeros([BT, BC], dtype=tl.float32)
-        dkr = tl.zeros([BT, BC], dtype=tl.float32)
-        dkc = tl.zeros([BT, BC], dtype=tl.float32)
-        for I in tl.static_range(4):
-            r = tl.sum(tl.where(o_t[:, None] == 16 * I - 1, G, 0.0), axis=0)  # zeros for I = 0
-            E = tl.exp(tl.where(blk[:, None] <= I, r[None, :] - G, float("-inf")))
-            F = tl.exp(tl.where(blk[:, None] == I, G - r[None, :], float("-inf")))
-            R = kh * E
-            dqi += F * _mm64(dAqk, R, XDOT)
-            dkr += F * _mm64(dA, R, XDOT)
-            dkc += E * (_mm64(tl.trans(dAqk), qt * F, XDOT) + _mm64(tl.trans(dA), kh * F, XDOT))
-        p = (rows[:, None] * H + i_h) * K + o_c[None, :]
-        dqt = tl.load(dq_part + p, mask=m2, other=0.0) + dqi
-        dkh = tl.load(dk_part + p, mask=m2, other=0.0) + dkr + dkc
-        dG = tl.load(dG_part + p, mask=m2, other=0.0) + qt * dqi + kh * (dkr - dkc)
-        # dg_t = sum_{s >= t} dG_s + dG_last (G_t = sum_{s <= t} g_s; G_last sums every g of the chunk)
-        b_dg = tl.sum(dG, axis=0)[None, :] - tl.cumsum(dG, axis=0) + dG + tl.load(dGl_buf + cid * K + o_c)[None, :]
-        if USE_GATE:
-            x = tl.load(g + p, mask=m2, other=0.0).to(tl.float32) + bias[None, :]
-            sg = tl.sigmoid(a_h * x)
-            b_dg = tl.where(m2, b_dg * (lower_bound * a_h) * sg * (1.0 - sg), 0.0)
-            tl.store(ddt_part + cid * K + o_c, tl.sum(b_dg, axis=0))
-            d_alog += tl.sum(b_dg * x, axis=0)
-        tl.store(dg + p, b_dg.to(dg.dtype.element_ty), mask=m2)
-        row_q += tl.sum(dqt * qt, axis=1)
-        row_k += tl.sum(dkh * kh, axis=1)
+    bias = _bias_cols(dt_bias, i_h, o_c, K, USE_GATE)
+    b_q, b_k, G, _ = _ks_sub(q, k, g, rows, m_t, i_h, o_c, a_h, bias, lower_bound,
+                             tl.zeros([BC], dtype=tl.float32), H, K, BT, USE_GATE)
+    qt = b_q * tl.load(r_buf + (rows * H + i_h) * 2, mask=m_t, other=0.0)[:, None]  # s q / |q|
+    kh = b_k * tl.load(r_buf + (rows * H + i_h) * 2 + 1, mask=m_t, other=0.0)[:, None]  # k / |k|
+    # sub-tile views: [4, 16, .] = (sub-tile I, row in it)
+    o4 = tl.arange(0, 4)
+    o16 = tl.arange(0, 16)
+    G3 = tl.reshape(G, (4, 16, BC))
+    e3 = tl.sum(tl.where(o16[None, :, None] == 15, G3, 0.0), axis=1)  # [4, BC]: G at the end of each sub-tile
+    r3 = tl.sum(tl.where(o4[:, None, None] == o4[None, :, None] + 1, e3[None, :, :], 0.0), axis=1)  # e_{I-1}
+    blk = (o_t // 16)[None, :, None]  # sub-tile of chunk row j / i
+    I3 = o4[:, None, None]
+    R3 = kh[None, :, :] * tl.exp(tl.where(blk <= I3, r3[:, None, :] - G[None, :, :], float("-inf")))  # [4, 64, BC]
+    Fc3 = tl.exp(tl.where(blk >= I3, G[None, :, :] - e3[:, None, :], float("-inf")))
+    # the sub-tiles' rows of dAqk, dA ([4, 16, 64]) and their columns, transposed (entry (I, a, i) = d.[i, 16 I + a])
+    c3 = (16 * o4[:, None, None] + o16[None, :, None])  # [4, 16, 1]: chunk position of (I, a)
+    rows3 = tl.reshape(rows, (4, 16))
+    m3 = tl.reshape(m_t, (4, 16))
+    dAqk_r = tl.load(dAqk_buf + (rows3[:, :, None] * H + i_h) * BT + o_t[None, None, :], mask=m3[:, :, None], other=0.0)
+    dAqk_c = tl.load(dAqk_buf + (rows[None, None, :] * H + i_h) * BT + c3, mask=m_t[None, None, :], other=0.0)
+    dA_base = dA_buf + cid * (BT * BT)
+    dA_r = tl.load(dA_base + c3 * BT + o_t[None, None, :])
+    dA_c = tl.load(dA_base + o_t[None, None, :] * BT + c3)
+    F3 = tl.exp(G3 - r3[:, None, :])
+    dqi = tl.reshape(F3 * _mm64(dAqk_r, R3, XDOT), (BT, BC))
+    dkr = tl.reshape(F3 * _mm64(dA_r, R3, XDOT), (BT, BC))
+    dkc3 = _mm64(dAqk_c, qt[None, :, :] * Fc3, XDOT) + _mm64(dA_c, kh[None, :, :] * Fc3, XDOT)
+    dkc = tl.reshape(tl.exp(e3[:, None, :] - G3) * dkc3, (BT, BC))
+    p = (rows[:, None] * H + i_h) * K + o_c[None, :]
+    dqt = tl.load(dq_part + p, mask=m2, other=0.0) + dqi
+    dkh = tl.load(dk_part + p, mask=m2, other=0.0) + dkr + dkc
+    dG = tl.load(dG_part + p, mask=m2, other=0.0) + qt * dqi + kh * (dkr - dkc)
+    # dg_t = sum_{s >= t} dG_s + dG_last (G_t = sum_{s <= t} g_s; G_last sums every g of the chunk)
+    b_dg = tl.sum(dG, axis=0)[None, :] - tl.cumsum(dG, axis=0) + dG + tl.load(dGl_buf + cid * K + o_c)[None, :]
+    if USE_GATE:
+        x = tl.load(g + p, mask=m2, other=0.0).to(tl.float32) + bias[None, :]
+        sg = tl.sigmoid(a_h * x)
+        b_dg = tl.where(m2, b_dg * (lower_bound * a_h) * sg * (1.0 - sg), 0.0)
+        tl.store(ddt_part + cid * K + o_c, tl.sum(b_dg, axis=0))
+        tl.store(dA_part + cid * (K // BC) + i_k, tl.sum(tl.sum(b_dg * x, axis=0), axis=0))
+    tl.store(dg + p, b_dg.to(dg.dtype.element_ty), mask=m2)
+    if USE_L2:
         tl.store(dq_part + p, dqt, mask=m2)
         tl.store(dk_part + p, dkh, mask=m2)
-    if USE_GATE:
-        tl.store(dA_part + cid, tl.sum(d_alog, axis=0))
-    # through the L2 norms (x_hat = x r, r = 1 / |x|: dx = r (dx_hat - x_hat <dx_hat, x_hat>)); qt = s q_hat
-    for cc in range(0, K, BC):
-        o_c = cc + tl.arange(0, BC)
-        p = (rows[:, None] * H + i_h) * K + o_c[None, :]
-        dqt = tl.load(dq_part + p, mask=m2, other=0.0)
-        dkh = tl.load(dk_part + p, mask=m2, other=0.0)
-        if USE_L2:
-            r = rq / scale
-            b_dq = r[:, None] * (scale * dqt - tl.load(q + p, mask=m2, other=0.0).to(tl.float32) * r[:, None]
-                                 * row_q[:, None])
-            b_dk = rk[:, None] * (dkh - tl.load(k + p, mask=m2, other=0.0).to(tl.float32) * rk[:, None]
-                                  * row_k[:, None])
-        else:
-            b_dq = scale * dqt
-            b_dk = dkh
-        tl.store(dq + p, b_dq.to(dq.dtype.element_ty), mask=m2)
-        tl.store(dk + p, b_dk.to(dk.dtype.element_ty), mask=m2)
+        p_row = ((rows * H + i_h) * (K // BC) + i_k) * 2
+        tl.store(row_part + p_row, tl.sum(dqt * qt, axis=1), mask=m_t)
+        tl.store(row_part + p_row + 1, tl.sum(dkh * kh, axis=1), mask=m_t)
+    else:
+        tl.store(dq + p, (scale * dqt).to(dq.dtype.element_ty), mask=m2)
+        tl.store(dk + p, dkh.to(dk.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _bwd64_l2_kernel(
+    q, k, r_buf, dq_part, dk_part, row_part, dq, dk, cu_seqlens, chunk_indices, scale, T, NT,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """Per (K slice, 64-chunk, head): back through the L2 norms, x_hat = x r with r = 1 / |x|:
+    dx = r (dx_hat - x_hat <dx_hat, x_hat>), the row sums <dx_hat, x_hat> added up over the intra kernel's slices;
+    qt = s q_hat."""
+    i_k = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_h = tl.program_id(2)
+    rows, m_t, _, _, _ = _chunk64_rows(cu_seqlens, chunk_indices, i_c, i_h, T, NT, H, BT, IS_VARLEN)
+    m2 = m_t[:, None]
+    p_row = (rows * H + i_h) * (K // BC) * 2
+    row_q = tl.zeros([BT], dtype=tl.float32)
+    row_k = tl.zeros([BT], dtype=tl.float32)
+    for j in tl.static_range(K // BC):
+        row_q += tl.load(row_part + p_row + 2 * j, mask=m_t, other=0.0)
+        row_k += tl.load(row_part + p_row + 2 * j + 1, mask=m_t, other=0.0)
+    rq = tl.load(r_buf + (rows * H + i_h) * 2, mask=m_t, other=0.0) / scale  # 1 / |q|
+    rk = tl.load(r_buf + (rows * H + i_h) * 2 + 1, mask=m_t, other=0.0)
+    p = (rows[:, None] * H + i_h) * K + i_k * BC + tl.arange(0, BC)[None, :]
+    b_q = tl.load(q + p, mask=m2, other=0.0).to(tl.float32)
+    b_k = tl.load(k + p, mask=m2, other=0.0).to(tl.float32)
+    b_dq = rq[:, None] * (scale * tl.load(dq_part + p, mask=m2, other=0.0) - b_q * rq[:, None] * row_q[:, None])
+    b_dk = rk[:, None] * (tl.load(dk_part + p, mask=m2, other=0.0) - b_k * rk[:, None] * row_k[:, None])
+    tl.store(dq + p, b_dq.to(dq.dtype.element_ty), mask=m2)
+    tl.store(dk + p, b_dk.to(dk.dtype.element_ty), mask=m2)
 
 
 def _is_pow2(n: int) -> bool:
@@ -673,7 +722,7 @@ def chunk_kda_bwd(
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=-5.0,
     use_beta_sigmoid_in_kernel=False,
     state_dtype=None, block_v=None, num_warps=None, chunk_block_v=None, chunk_num_warps=4,
-    chunk_num_stages=1, check_gate=True, chunk_size=16,
+    chunk_num_stages=1, check_gate=True, chunk_size=64,
 ):
     """Gradients of the chunked KDA, through the same in-kernel preprocessing flags as the forward.
 
@@ -682,14 +731,15 @@ def chunk_kda_bwd(
     beta: [B, T, H] in (0, 1), or logits when ``use_beta_sigmoid_in_kernel``; ``use_qk_l2norm_in_kernel``:
     q and k are L2-normalised inside. initial_state, dht: [N, H, K, V] or None. ``state_dtype``: storage of
     the recomputed per-chunk states and state grads (fp32 or bf16; default bf16 for bf16 inputs, else fp32).
-    ``chunk_size``: 16 (default, the fastest measured) or 64 (the 64-token path of the module docstring; its
-    ``block_v`` / ``num_warps`` default 32 / 4 and apply to its sequential kernel, the parallel kernels take
-    ``_INTER64`` / ``_INTRA64``). ``block_v`` / ``num_warps``: V tile and
+    ``chunk_size``: 64 (default, the fastest measured: 14.6 against 17.0 ms forward + backward at T = 8K, H = 96
+    on the H200) or 16 (the 16-token path of the module docstring). With 64, ``block_v`` / ``num_warps`` (default
+    32 / 4) apply to its sequential kernel and the parallel kernels take ``_INTER64`` / ``_INTRA64`` /
+    ``_UT64_WARPS``. With 16: ``block_v`` / ``num_warps``: V tile and
     warps of the two sequential kernels and the prep kernel (default 32 / 2); ``chunk_block_v`` /
     ``chunk_num_warps``: those of the per-chunk gradient kernel (default 32 / 4), ``chunk_num_stages`` its
-    V-loop pipelining depth (default 1; None: Triton's default). The defaults are the fastest of a sweep on the
-    H200 at K = V = 128, T = 8K (BENCHMARKS.md, fifth session: 22.2 ms forward + backward, against 33.7 with the
-    earlier 32 / 4 and 16 / 8 / Triton-default stages). ``check_gate``: verify -5 <= g <= 0 for a
+    V-loop pipelining depth (default 1; None: Triton's default). The 16-token defaults are the fastest of a
+    sweep on the H200 at K = V = 128, T = 8K (BENCHMARKS.md, fifth session: 22.2 ms forward + backward, against
+    33.7 with the earlier 32 / 4 and 16 / 8 / Triton-default stages). ``check_gate``: verify -5 <= g <= 0 for a
     precomputed g (one reduction and a host sync; ``_ChunkKDAFunction`` skips it, its forward has checked).
 
     Returns (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias): the gradients with respect to the inputs as
@@ -815,16 +865,19 @@ def chunk_kda_bwd(
 
 # Launch settings of the 64-token backward's parallel kernels (module-level so a benchmark can sweep them):
 # (BK, BV, num_warps, bf16 products with X for bf16 inputs) of _bwd64_inter_kernel, (BC, num_warps) of
-# _bwd64_intra_kernel, whose products stay tf32 (bf16 ones put dt_bias's gradient past the 2e-2 rule).
+# _bwd64_intra_kernel, whose products stay tf32 (bf16 ones put dt_bias's gradient past the 2e-2 rule), and the
+# warps of _bwd64_ut_kernel.
 _INTER64 = (64, 32, 4, True)
-_INTRA64 = (16, 4)
+_INTRA64 = (32, 4)
+_UT64_WARPS = 4
 
 
 def _chunk_kda_bwd64(q, k, v, g, beta, do, scale, h0, dht, cu_seqlens, dims, gate_args, flags, state_dtype,
                      block_v, num_warps, outs):
     """The 64-token backward: the forward's 64-token prep and state kernels recompute w, u0, qg, kd, Aqk, X, Akk,
     h and u (``triton_chunk._stored_fwd(for_backward=True)``), then ``_bwd64_dstate_kernel`` (sequential),
-    ``_bwd64_inter_kernel`` and ``_bwd64_intra_kernel`` (parallel over chunks)."""
+    ``_bwd64_inter_kernel``, ``_bwd64_ut_kernel``, ``_bwd64_intra_kernel`` and ``_bwd64_l2_kernel`` (parallel over
+    chunks)."""
     B, T, H, K, V, N = dims
     use_gate, use_bsig, use_l2 = flags
     dq, dk, dv, dg, dbeta, dh0 = outs
@@ -850,7 +903,8 @@ def _chunk_kda_bwd64(q, k, v, g, beta, do, scale, h0, dht, cu_seqlens, dims, gat
         do, dht_c if dht_c is not None else q, dh, dh0 if dh0 is not None else q, du, fb["cu"], fb["chunk_offsets"],
         fb["w"], fb["Aqk"], fb["kd"], fb["qg"], fb["gl"], T, NT,
         H=H, K=K, V=V, BT=64, BV=BV, IS_VARLEN=is_varlen, USE_DHT=dht_c is not None, STORE_DH0=dh0 is not None,
-        DOT=st_dot, num_warps=num_warps,
+        # fp32 inputs (exact fp32 products): two pipeline stages, three need 256 KB of shared memory at K = V = 128
+        DOT=st_dot, num_warps=num_warps, num_stages=2 if st_dot == 0 else 3,
     )
     if not n_chunks:
         zero = (torch.zeros(H, **f32), torch.zeros(H * K, **f32)) if use_gate else (None, None)
@@ -869,14 +923,26 @@ def _chunk_kda_bwd64(q, k, v, g, beta, do, scale, h0, dht, cu_seqlens, dims, gat
         H=H, K=K, V=V, BT=64, BK=BK, BV=min(V, bv), NK=NK, DOT=dot_mode, XDOT=dot_mode if x_bf16 else x_dot,
         **common, num_warps=nw,
     )
-    ddt_part = torch.empty(n_chunks, H, K, **f32) if use_gate else q
-    dA_part = torch.empty(n_chunks, H, **f32) if use_gate else q
-    bc, nw = _INTRA64
-    _bwd64_intra_kernel[(n_chunks, H)](
-        q, k, g, beta, fb["X"], fb["Akk"], fb["r"], dAqk, dXb_part, dq_part, dk_part, dG_part, dGl,
-        fb["cu"], fb["chunk_indices"], *gate_ptrs, dq, dk, dg, dbeta, ddt_part, dA_part, lower_bound, scale, T, NT,
-        H=H, K=K, BT=64, BC=min(K, bc), NK=NK, USE_L2=use_l2, XDOT=x_dot,
-        **common, num_warps=nw,
+    # the UT inverse's backward: dA (chunk-major, fp32) for the intra kernel, and dbeta
+    dA = torch.empty(n_chunks, H, 64, 64, **f32)
+    _bwd64_ut_kernel[(n_chunks, H)](
+        beta, fb["X"], fb["Akk"], dXb_part, dA, dbeta, fb["cu"], fb["chunk_indices"], T, NT,
+        H=H, BT=64, NK=NK, IS_VARLEN=is_varlen, USE_BSIG=use_bsig, XDOT=x_dot, num_warps=_UT64_WARPS,
     )
-    dA_log, ddt_bias = (dA_part.sum(0), ddt_part.sum(0).reshape(H * K)) if use_gate else (None, None)
+    bc, nw = _INTRA64
+    BC = min(K, bc)
+    NKS = K // BC
+    ddt_part = torch.empty(n_chunks, H, K, **f32) if use_gate else q
+    dA_part = torch.empty(n_chunks, H, NKS, **f32) if use_gate else q
+    row_part = torch.empty(B, T, H, NKS, 2, **f32) if use_l2 else q
+    grid = (NKS, n_chunks, H)  # the slices of a chunk run side by side (its dAqk, dA and rows stay in L2)
+    _bwd64_intra_kernel[grid](
+        q, k, g, fb["r"], dAqk, dA, dq_part, dk_part, dG_part, dGl, fb["cu"], fb["chunk_indices"], *gate_ptrs,
+        dq, dk, dg, ddt_part, dA_part, row_part, lower_bound, scale, T, NT,
+        H=H, K=K, BT=64, BC=BC, IS_VARLEN=is_varlen, USE_GATE=use_gate, USE_L2=use_l2, XDOT=x_dot, num_warps=nw,
+    )
+    if use_l2:
+        _bwd64_l2_kernel[grid](q, k, fb["r"], dq_part, dk_part, row_part, dq, dk, fb["cu"], fb["chunk_indices"],
+                               scale, T, NT, H=H, K=K, BT=64, BC=BC, IS_VARLEN=is_varlen, num_warps=4)
+    dA_log, ddt_bias = (dA_part.sum((0, 2)), ddt_part.sum(0).reshape(H * K)) if use_gate else (None, None)
     return dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias
