@@ -47,7 +47,7 @@ def make_inputs(B=2, T=16, H=2, K=16, V=16, dtype=torch.float32, seed=0, with_h0
     return d
 
 
-@pytest.mark.parametrize("T", TS)
+@pytest.mark.parametrize("T", TS + [1000])  # 1000: 16 chunks of 64 (the interpreter takes ~13 s a case)
 @pytest.mark.parametrize("with_h0", [False, True])
 def test_forward_vs_reference_and_fla_naive(T, with_h0):
     x = make_inputs(T=T, with_h0=with_h0, seed=T)

@@ -2,10 +2,11 @@
 
 Runs on the CPU under `TRITON_INTERPRET=1` (set in conftest.py when there is no GPU) and compiled on CUDA.
 Tolerance rule (rel_err = max|a - b| / max|b|, per gradient): fp32 inputs <= 1e-4 against autograd through
-the torch reference (which computes in fp32); bf16 inputs (or bf16 state storage) <= 2e-2 against the
-reference evaluated on the same bf16 values; the ill-conditioned case <= 1e-4 against fp64 autograd of a
-token-loop recurrence; the finite-difference check of a directional derivative of that fp64 recurrence
-(independent of autograd and of the reference) <= 1e-4 relative.
+the torch reference (which computes in fp32) and through fla's token loop ``naive_recurrent_kda`` (fp32); bf16
+inputs (or bf16 state storage) <= 2e-2 against the reference evaluated on the same bf16 values; the
+ill-conditioned case <= 1e-4 against fp64 autograd of a token-loop recurrence; the finite-difference check of a
+directional derivative of that fp64 recurrence (independent of autograd and of the reference) <= 1e-4
+relative.
 """
 
 # TRITON_INTERPRET is set by conftest.py when there is no GPU (before triton is first imported).
@@ -86,7 +87,7 @@ def assert_close(got, want, tol):
         assert rel_err(a, b) <= tol, (n, rel_err(a, b))
 
 
-@pytest.mark.parametrize("T", [1, 15, 16, 17, 33, 64, 65])
+@pytest.mark.parametrize("T", [1, 15, 16, 17, 33, 63, 64, 65, 100, 1000])
 def test_core_vs_autograd_reference(T):
     # V = 32 with block_v = chunk_block_v = 16: two V-blocks, so the sums over V in the chunk kernel count
     x = make_core(T=T, seed=T)
@@ -173,6 +174,18 @@ def test_finite_difference_directional_derivative():
     fd = (loss(eps) - loss(-eps)) / (2 * eps)
     ana = float(sum((got[n].double() * d[n]).sum() for n in CORE))
     assert abs(ana - fd) <= 1e-4 * abs(fd), (ana, fd)
+
+
+def test_core_vs_fla_naive_autograd():
+    """External oracle: autograd through fla's token loop ``naive_recurrent_kda`` (fp32), across a 64-token chunk
+    boundary, with an initial state and a final-state gradient."""
+    naive = pytest.importorskip("fla.ops.kda.naive")
+    x = make_core(T=70, seed=23)
+    ts = {n: x[n].clone().requires_grad_() for n in CORE}
+    o, S = naive.naive_recurrent_kda(ts["q"], ts["k"], ts["v"], ts["g"], ts["beta"], initial_state=ts["h0"],
+                                     output_final_state=True)
+    want = torch.autograd.grad([o, S], [ts[n] for n in CORE], [x["do"], x["dht"]])
+    assert_close(ours(x), dict(zip(CORE, want)), 1e-4)
 
 
 def test_correlated_keys_beta_one_vs_fp64_autograd():
