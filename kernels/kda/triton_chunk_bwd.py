@@ -916,12 +916,11 @@ def _chunk_kda_bwd64(q, k, v, g, beta, do, scale, h0, dht, cu_seqlens, dims, gat
     dXb_part = torch.empty(NK + 1, n_chunks, H, 64, 64, **f32)
     dq_part, dk_part, dG_part = (torch.empty(B, T, H, K, **f32) for _ in range(3))
     dGl = torch.empty(n_chunks, H, K, **f32)
-    common = dict(IS_VARLEN=is_varlen, USE_GATE=use_gate, USE_BSIG=use_bsig)
     _bwd64_inter_kernel[(n_chunks, H, NK + 1)](
         q, k, v, g, beta, do, fb["h"], dh, fb["u"], du, fb["X"], fb["r"], fb["cu"], fb["chunk_indices"], *gate_ptrs,
         dv, dAqk, dXb_part, dq_part, dk_part, dG_part, dGl, lower_bound, T, NT,
         H=H, K=K, V=V, BT=64, BK=BK, BV=min(V, bv), NK=NK, DOT=dot_mode, XDOT=dot_mode if x_bf16 else x_dot,
-        **common, num_warps=nw,
+        IS_VARLEN=is_varlen, USE_GATE=use_gate, USE_BSIG=use_bsig, num_warps=nw,
     )
     # the UT inverse's backward: dA (chunk-major, fp32) for the intra kernel, and dbeta
     dA = torch.empty(n_chunks, H, 64, 64, **f32)
