@@ -25,7 +25,7 @@ Precision: fp32 inputs use exact fp32 dots; bf16 inputs use bf16 dots for the in
 products against the fp32 state take tf32 operands in the 16-token path and, by default, bf16 operands in the
 64-token path (``state_dot``; as fla does; ~4e-3 relative in the final state, ~1e-2 in the worst tests).
 
-64-token chunks (``chunk_size=64``, the default: 2.65 ms at T = 8K on the H200 against 6.37 for 16-token
+64-token chunks (``chunk_size=64``, the default: 2.62 ms at T = 8K on the H200 against 6.37 for 16-token
 ``split``): the state loop above is latency-bound on 16-token steps
 (512 sequential steps of tiny dots at T = 8K). With C = 64 the loop has 4x fewer steps and its dots are
 [64, K] x [K, BV]. Inside a 64-chunk the cumulative decay G lies in (-320, 0], so exp(-G) would overflow;
@@ -779,11 +779,12 @@ def chunk_kda_fwd(
     against the state, which itself stays fp32 (registers, initial and final state); fp32 inputs always use
     exact fp32 dots. ``lowp_buffers=True`` (default; bf16 inputs) also stores the kd and Aqk intermediates in
     q.dtype (~0.75 KB less HBM traffic per token-head at K = 128, written once and read at least once).
-    Measured on the H200 at T = 8K, H = 96, K = V = 128 (BENCHMARKS.md, eighth session): 2.65 ms with these
-    defaults (fla's chunk_kda 2.61 ms in the same run), 3.06 ms with output="fused" (the fifth session's
-    single-kernel prep: 4.10 ms; 4.73 with lowp_buffers=False, 6.06 with state_dot="tf32" as well, 6.37 for the
-    16-token path). At T = 300 the fp32-reference distances are o 5.5e-3, S 3.6e-3 in both outputs; fla's
-    chunk_kda, with bf16 state products too, measured 4.0e-3 / 5.3e-3 in the same kind of check.
+    Measured on the H200 at T = 8K, H = 96, K = V = 128: 2.62 ms with these defaults, fla's chunk_kda 2.62 ms
+    in the same run (BENCHMARKS.md, eleventh session); in the eighth session 2.65 ms, and 3.06 ms with
+    output="fused" (the fifth session's single-kernel prep: 4.10 ms; 4.73 with lowp_buffers=False, 6.06 with
+    state_dot="tf32" as well, 6.37 for the 16-token path). At T = 300 the fp32-reference distances are o 5.5e-3,
+    S 3.6e-3 in both outputs; fla's chunk_kda, with bf16 state products too, measured 4.0e-3 / 5.3e-3 in the same
+    kind of check.
 
     ``chunk_size=16`` with ``split=True``: the 16-token kernel (tf32 state products, fp32 buffers).
     ``split=True``: w, u0 are first computed for all chunks in parallel (``_kda_chunk_prep_kernel``; w in
@@ -893,7 +894,11 @@ def chunk_kda_fwd(
 # H200 at T = 8K, H = 96, K = V = 128 (BENCHMARKS.md, eighth session).
 _PREP64_BLOCK = 16  # channels per slice of the inverse kernel's K sweep
 _PREP64_WARPS = 1
-_WU64 = (32, 64, 2)  # (BK, BV, num_warps) of the w / u0 kernel
+# (BK, BV, num_warps, maxnreg) of the w / u0 kernel: 4 warps capped at 128 registers (no spill; up to 16 warps an
+# SM instead of 8 at 255 registers, and its products become warp-group MMAs) measured 2.62 against 2.73 ms for the
+# whole forward at T = 8K, H = 96 on the H200; 96 or 112 registers, 8 warps, or 64-channel slices were slower
+# (BENCHMARKS.md, eleventh session)
+_WU64 = (32, 64, 4, 128)
 
 
 def _launch_prep64(n_chunks, args, H, K, V, is_varlen, flags, dot_mode, wu_dot, prep_num_warps, bwd_bufs=None):
@@ -913,12 +918,12 @@ def _launch_prep64(n_chunks, args, H, K, V, is_varlen, flags, dot_mode, wu_dot, 
         DOT_BF16=dot_mode, WU_DOT=wu_dot, BK=min(K, _PREP64_BLOCK), STORE_BWD=bwd_bufs is not None,
         num_warps=prep_num_warps or _PREP64_WARPS,
     )
-    bk, bv, nw = _WU64
+    bk, bv, nw, maxnreg = _WU64
     _kda_chunk64_wu_kernel[(n_chunks, H)](
         q, k, v, g, cu_all, chunk_indices, A_log, dt_bias, x_buf, r_buf,
         w_buf, u_buf, qg_buf, kd_buf, gl_buf, lower_bound, T, NT,
         H=H, K=K, V=V, BT=_BT64, IS_VARLEN=is_varlen, USE_GATE=use_gate, WU_DOT=wu_dot,
-        BK=min(K, bk), BV=min(V, bv), num_warps=nw,
+        BK=min(K, bk), BV=min(V, bv), num_warps=nw, maxnreg=maxnreg,
     )
     return x_buf, r_buf
 
