@@ -183,15 +183,10 @@ def _bwd_prep_kernel(
     their critical path)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    i_n = tl.load(chunk_indices + 2 * i_c)
-    i_t = tl.load(chunk_indices + 2 * i_c + 1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    bos, L, i_t = _chunk_of(cu_seqlens, chunk_indices, i_c, 0, 0, True)
+    rows, m_t = _rows_of(bos, L, i_t * BT, BT)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
-    pos = i_t * BT + o_t
-    m_t = pos < L
-    rows = bos + pos
     a_h, bias = _gate_params(A_log, dt_bias, i_h, K, USE_GATE)
     b_q, b_k, b_beta, gc, g_last, kg, kn, qg, kd, rq, rk = _load_chunk_qkg(
         q, k, g, beta, rows, m_t, i_h, scale, a_h, bias, lower_bound, H, K, BT, USE_GATE, USE_BSIG, USE_L2)
@@ -249,9 +244,7 @@ def _bwd_state_kernel(
     else:
         S = tl.zeros([K, BV], dtype=tl.float32)
     for i_c in range(0, tl.cdiv(L, BT)):
-        pos = i_c * BT + o_t
-        m_t = pos < L
-        rows = bos + pos
+        rows, m_t = _rows_of(bos, L, i_c * BT, BT)
         p_h = (((c0 + i_c) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
         tl.store(h + p_h, S.to(h.dtype.element_ty))
         X = _load_X(X_buf, rows, m_t, i_h, H, BT)
@@ -290,9 +283,7 @@ def _bwd_dstate_kernel(
         dS = tl.zeros([K, BV], dtype=tl.float32)
     for i_r in range(0, NT):
         i_c = NT - 1 - i_r
-        pos = i_c * BT + o_t
-        m_t = pos < L
-        rows = bos + pos
+        rows, m_t = _rows_of(bos, L, i_c * BT, BT)
         p_h = (((c0 + i_c) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
         tl.store(dh + p_h, dS.to(dh.dtype.element_ty))
         p_cc = (rows[:, None] * H + i_h) * BT + o_t[None, :]
@@ -322,15 +313,10 @@ def _bwd_chunk_kernel(
     in-kernel preprocessing to the raw inputs (dt_bias / A_log as per-(chunk, head) partial sums)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    i_n = tl.load(chunk_indices + 2 * i_c)
-    i_t = tl.load(chunk_indices + 2 * i_c + 1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    bos, L, i_t = _chunk_of(cu_seqlens, chunk_indices, i_c, 0, 0, True)
+    rows, m_t = _rows_of(bos, L, i_t * BT, BT)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
-    pos = i_t * BT + o_t
-    m_t = pos < L
-    rows = bos + pos
     strict = o_t[:, None] > o_t[None, :]
     causal = o_t[:, None] >= o_t[None, :]
     # u and du come from the sequential kernels (they compute them on their chains anyway), so only X and beta
