@@ -1,0 +1,104 @@
+"""Hardware counters of our kernels with Nsight Compute: one profiled region per workload, and a summary table.
+
+Each mode warms its kernels up (compilation stays outside the region), then runs one call between
+`cudaProfilerStart` / `cudaProfilerStop`, so `ncu --profile-from-start off` profiles exactly that call's kernels:
+
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy \
+        --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --csv --page details \
+        python benchmarks/ncu_regions.py kda > ncu_kda.csv
+    python benchmarks/ncu_regions.py --summarize ncu_kda.csv      # the markdown table of BENCHMARKS.md
+
+Modes: `kda` (chunked forward + backward, T = 8K, H = 96, K = V = 128, bf16, all in-kernel flags), `mla` (absorbed
+paged decode, B = 64, L = 32K, H = 96), `attnres` (forward, T = 8K, d = 7168, N = 3 then 6). The MoE experts are not
+here: ncu saves and restores every buffer a kernel may touch for each replay pass, which at the real expert count is
+59 GB of bf16 weights per pass (the eleventh session's attempt ran out of its time limit).
+`--clock-control none` leaves the GPU's clocks alone (the device notes ask for it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import pathlib
+import sys
+
+import torch
+
+SUMMARY = (("Duration", "ms", 1e-6), ("Registers Per Thread", "registers", 1), ("Theoretical Occupancy", "occupancy %", 1),
+           ("DRAM Throughput", "DRAM % of peak", 1), ("Issue Slots Busy", "issue %", 1),
+           ("Local Memory Spilling Requests", "spill requests", 1))
+
+
+def _region(fn, warm: int = 2):
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+def kda():
+    import kda_chunk_bwd as B
+
+    x = B.inputs(8192)
+    do = torch.randn(1, 8192, B.H, B.V, device="cuda").bfloat16()
+    dS = torch.randn(1, B.H, B.K, B.V, device="cuda")
+    _region(lambda: B.grads(B.ours, x, do, dS))
+
+
+def mla():
+    import mla_decode as M
+
+    from k3_kernels.mla.triton_decode import mla_paged_decode
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pool, table, lengths, q_lat, q_pe = M.make_inputs(64, 32768, 96, gen)
+    _region(lambda: mla_paged_decode(q_lat, q_pe, pool, table, lengths, 0.1))
+
+
+def attnres():
+    from k3_kernels.attnres.triton_attnres import attn_res_triton
+
+    for n in (3, 6):
+        v = torch.randn(n, 8192, 7168, device="cuda", dtype=torch.bfloat16)
+        qw, nw = torch.randn(7168, device="cuda") * 0.05, torch.ones(7168, device="cuda")
+        _region(lambda: attn_res_triton(v, qw, nw))
+
+
+def summarize(path: str):
+    """One markdown row per profiled kernel (torch's own small kernels left out) from ncu's `--csv --page details`."""
+    lines = [ln for ln in pathlib.Path(path).read_text().splitlines() if not ln.startswith("==")]
+    rows = list(csv.reader(lines))
+    col = {name: i for i, name in enumerate(rows[0])}
+    kernels: dict[tuple[int, str], dict[str, str]] = {}
+    for r in rows[1:]:
+        kernels.setdefault((int(r[col["ID"]]), r[col["Kernel Name"]]), {})[r[col["Metric Name"]]] = r[col["Metric Value"]]
+    print("| kernel | " + " | ".join(label for _, label, _ in SUMMARY) + " |")
+    print("|---" * (len(SUMMARY) + 1) + "|")
+    for (_, name), metrics in sorted(kernels.items()):
+        if name.startswith("void "):
+            continue
+        cells = []
+        for metric, _, factor in SUMMARY:
+            value = metrics.get(metric, "").replace(",", "")
+            cells.append(f"{float(value) * factor:.3g}" if value else "-")
+        print(f"| `{name}` | " + " | ".join(cells) + " |")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", nargs="?", choices=["kda", "mla", "attnres"])
+    ap.add_argument("--summarize", metavar="CSV", help="print the table of an ncu --csv --page details file")
+    args = ap.parse_args()
+    if args.summarize:
+        return summarize(args.summarize)
+    if args.mode is None:
+        ap.error("give a mode or --summarize")
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))  # the sibling benchmark scripts' input builders
+    {"kda": kda, "mla": mla, "attnres": attnres}[args.mode]()
+
+
+if __name__ == "__main__":
+    main()
