@@ -126,18 +126,12 @@ def _kda_chunk_fwd_kernel(
     L = eos - bos
 
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
     causal = o_t[:, None] >= o_t[None, :]
     strict = o_t[:, None] > o_t[None, :]
     eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
 
     # state S [K, BV], fp32 in registers for the whole sequence
-    p_state = ((i_n * H + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
-    if USE_H0:
-        S = tl.load(h0 + p_state).to(tl.float32)
-    else:
-        S = tl.zeros([K, BV], dtype=tl.float32)
+    o_k, o_v, p_state, S = _state_tile(h0, i_n, i_h, i_v, USE_H0, H, K, V, BV)
     if USE_GATE:
         a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
         bias = tl.load(dt_bias + i_h * K + o_k).to(tl.float32)
@@ -431,6 +425,21 @@ def _seq_of(cu_seqlens, chunk_offsets, i_n, T, NT, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _state_tile(ptr, i_n, i_h, i_v, LOAD: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                BV: tl.constexpr):
+    """The [K, BV] tile (sequence i_n, head i_h, V-block i_v) of an [N, H, K, V] state tensor that the sequential
+    kernels carry: its channel offsets, its element offsets, and its start value, fp32, loaded from ptr (LOAD) or 0."""
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    p = ((i_n * H + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
+    if LOAD:
+        S = tl.load(ptr + p).to(tl.float32)
+    else:
+        S = tl.zeros([K, BV], dtype=tl.float32)
+    return o_k, o_v, p, S
+
+
+@triton.jit
 def _kda_chunk64_prep_kernel(
     q, k, g, beta, cu_seqlens, chunk_indices, A_log, dt_bias, x_buf, r_buf, A_buf, xu_buf, akk_buf,
     lower_bound, scale, T, NT,
@@ -659,14 +668,8 @@ def _kda_chunk64_state_kernel(
     i_v = tl.program_id(2)
     bos, L, c0 = _seq_of(cu_seqlens, chunk_offsets, i_n, T, NT, IS_VARLEN)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
     causal = o_t[:, None] >= o_t[None, :]
-    p_state = ((i_n * H + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
-    if USE_H0:
-        S = tl.load(h0 + p_state).to(tl.float32)
-    else:
-        S = tl.zeros([K, BV], dtype=tl.float32)
+    o_k, o_v, p_state, S = _state_tile(h0, i_n, i_h, i_v, USE_H0, H, K, V, BV)
     for i_t in range(0, tl.cdiv(L, BT)):
         pos = i_t * BT + o_t
         m_t = pos < L

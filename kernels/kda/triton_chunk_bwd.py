@@ -107,8 +107,8 @@ import triton
 import triton.language as tl
 
 from . import reference as _ref
-from .triton_chunk import (_beta_of, _bias_cols, _chunk_of, _ks_sub, _mm64, _rows_of, _seq_of, _stored_fwd,
-                           check_gate_args)
+from .triton_chunk import (_beta_of, _bias_cols, _chunk_of, _ks_sub, _mm64, _rows_of, _seq_of, _state_tile,
+                           _stored_fwd, check_gate_args)
 
 __all__ = ["chunk_kda_bwd"]
 
@@ -236,13 +236,7 @@ def _bwd_state_kernel(
     i_v = tl.program_id(2)
     bos, L, c0 = _seq_of(cu_seqlens, chunk_offsets, i_n, 0, 0, True)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    p_state = ((i_n * H + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
-    if USE_H0:
-        S = tl.load(h0 + p_state).to(tl.float32)
-    else:
-        S = tl.zeros([K, BV], dtype=tl.float32)
+    o_k, o_v, p_state, S = _state_tile(h0, i_n, i_h, i_v, USE_H0, H, K, V, BV)
     for i_c in range(0, tl.cdiv(L, BT)):
         rows, m_t = _rows_of(bos, L, i_c * BT, BT)
         p_h = (((c0 + i_c) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
@@ -274,13 +268,7 @@ def _bwd_dstate_kernel(
     bos, L, c0 = _seq_of(cu_seqlens, chunk_offsets, i_n, 0, 0, True)
     NT = tl.cdiv(L, BT)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    p_state = ((i_n * H + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
-    if USE_DHT:
-        dS = tl.load(dht + p_state).to(tl.float32)
-    else:
-        dS = tl.zeros([K, BV], dtype=tl.float32)
+    o_k, o_v, p_state, dS = _state_tile(dht, i_n, i_h, i_v, USE_DHT, H, K, V, BV)
     for i_r in range(0, NT):
         i_c = NT - 1 - i_r
         rows, m_t = _rows_of(bos, L, i_c * BT, BT)
@@ -423,13 +411,7 @@ def _bwd64_dstate_kernel(
     i_v = tl.program_id(2)
     bos, L, c0 = _seq_of(cu_seqlens, chunk_offsets, i_n, T, NT, IS_VARLEN)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    p_state = ((i_n * H + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
-    if USE_DHT:
-        dS = tl.load(dht + p_state).to(tl.float32)
-    else:
-        dS = tl.zeros([K, BV], dtype=tl.float32)
+    o_k, o_v, p_state, dS = _state_tile(dht, i_n, i_h, i_v, USE_DHT, H, K, V, BV)
     n_t = tl.cdiv(L, BT)
     for i_r in range(0, n_t):
         i_c = n_t - 1 - i_r
