@@ -85,7 +85,8 @@ products are exact fp32 ("ieee") for fp32 inputs and tf32 for bf16 inputs, excep
 forward's h and fla's; 19.1 -> 17.1 ms forward + backward at T = 8K on the H200, gradients within ~3-5e-3 of
 the fp32 reference at T = 65) and fp32 for fp32 inputs; ``state_dtype`` overrides. Memory: h and dh are
 NT * H * K * V each (NT = number of chunks): ~1.6 GB each in bf16 at T = 32K, H = 96, K = V = 128 with
-64-token chunks, 6.4 GB with 16-token ones; u and du 1.6 GB each there. The 64-token path's fp32 scratch of
+64-token chunks, 6.4 GB with 16-token ones; u and du 1.6 GB each there in fp32 (the 16-token path), 0.8 GB each
+in the 64-token path, which keeps them in bf16 for bf16 inputs. The 64-token path's fp32 scratch of
 the parallel kernels (dq, dk, dG partials 1.2 GB, Xb's partials 0.6 GB, dAqk and dA 0.2 GB each) is about
 2.2 GB at T = 8K there, 4x that at 32K.
 
@@ -403,7 +404,8 @@ def _bwd64_dstate_kernel(
     IS_VARLEN: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DOT: tl.constexpr,
 ):
     """Per (sequence, head, V-block), backwards over the 64-token chunks: stores dS_out of every chunk in dh and
-    du = Aqk^T do + kd dS_out (fp32), and carries dS_in = e^{G_last} dS_out + qg^T do - w^T du (fp32 registers).
+    du = Aqk^T do + kd dS_out (bf16 for bf16 inputs, see ``_chunk_kda_bwd64``), and carries
+    dS_in = e^{G_last} dS_out + qg^T do - w^T du (fp32 registers).
     Loads the forward recompute's buffers (G_last raw, so it is exponentiated here); the products take the
     forward state kernel's operand mode (bf16 for bf16 inputs, as fla)."""
     i_n = tl.program_id(0)
@@ -865,7 +867,10 @@ def _chunk_kda_bwd64(q, k, v, g, beta, do, scale, h0, dht, cu_seqlens, dims, gat
     st_dot, x_dot = fb["st_dot"], fb["wu_dot"]
     BV = block_v or min(V, 32)
     dh = torch.empty_like(fb["h"])
-    du = torch.empty(B, T, H, V, **f32)
+    bk, bv, nw, x_bf16 = _INTER64
+    # du is read only by the inter kernel, whose products with it (dw, Xb's gradient, dv) take bf16 operands for
+    # bf16 inputs: stored in bf16 it gives the same bits and half the bytes (403 MB less at T = 8K, H = 96)
+    du = torch.empty(B, T, H, V, dtype=torch.bfloat16 if bf16 and x_bf16 else torch.float32, device=dev)
     dht_c = dht.float().contiguous() if dht is not None else None
     _bwd64_dstate_kernel[(N, H, V // BV)](
         do, dht_c if dht_c is not None else q, dh, dh0 if dh0 is not None else q, du, fb["cu"], fb["chunk_offsets"],
@@ -877,7 +882,6 @@ def _chunk_kda_bwd64(q, k, v, g, beta, do, scale, h0, dht, cu_seqlens, dims, gat
     if not n_chunks:
         zero = (torch.zeros(H, **f32), torch.zeros(H * K, **f32)) if use_gate else (None, None)
         return dq, dk, dv, dg, dbeta, dh0, *zero
-    bk, bv, nw, x_bf16 = _INTER64
     BK = min(K, bk)
     NK = K // BK
     dAqk = torch.empty(B, T, H, 64, **f32)
