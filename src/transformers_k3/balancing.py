@@ -10,6 +10,8 @@ when `b_j > a_i - s_ij`. The bias that gives expert j exactly its target load `N
 `[min(b) - 1, max(b) + 1]` (which holds every `a_i - s_ij`, since `a_i` lies in `[min(b), max(b) + 1]` and
 `s_ij` in `[0, 1]`). Histogram counts are integers and add: micro-batches accumulate into one histogram, and
 one `all_reduce(SUM)` pools the ranks, so the result equals the whole-batch estimate however tokens are split.
+Only real tokens count: the model passes its padding mask down (`valid`), and padded rows, though routed, add
+nothing to either method's statistics.
 
 Sign step (DeepSeek-V3, aux-loss-free): `b_j += speed * sign(mean_load - load_j)` with the top-k loads.
 
@@ -33,11 +35,13 @@ def histogram_range(bias: torch.Tensor) -> tuple[float, float]:
     return float(b.min()) - 1.0, float(b.max()) + 1.0
 
 
-def histogram_counts(values: torch.Tensor, lo: float, hi: float, bins: int = 256) -> torch.Tensor:
+def histogram_counts(values: torch.Tensor, lo: float, hi: float, bins: int = 256,
+                     valid: torch.Tensor | None = None) -> torch.Tensor:
     """Per-column integer histogram of `values [N, E]` over `[lo, hi]` in `bins` equal bins -> `[E, bins]` int64.
 
     Values outside `[lo, hi]` (only rounding can put them there for router statistics) are clamped into the
-    first or last bin, so every value is counted exactly once and counts of disjoint batches add up.
+    first or last bin, so every value is counted exactly once and counts of disjoint batches add up. `valid [N]`
+    bool: only those rows count (padding tokens do not); without a host sync, so a training step keeps its pace.
     """
     if values.dim() != 2:
         raise ValueError(f"`values` must be [N, E], got shape {tuple(values.shape)}")
@@ -49,7 +53,17 @@ def histogram_counts(values: torch.Tensor, lo: float, hi: float, bins: int = 256
     scale = bins / (hi - lo)
     idx = ((values.float() - lo) * scale).floor().clamp_(0, bins - 1).long()  # [N, E] bin of each value
     flat = idx + torch.arange(E, device=values.device) * bins  # [N, E] index into the [E * bins] table
-    return torch.bincount(flat.reshape(-1), minlength=E * bins).view(E, bins)
+    return _bincount(flat, E * bins, valid).view(E, bins)
+
+
+def _bincount(idx: torch.Tensor, n: int, valid: torch.Tensor | None) -> torch.Tensor:
+    """`bincount` of `idx [N, ...]` over `n` slots, the rows where `valid [N]` is False sent to a dropped extra slot."""
+    if valid is None:
+        return torch.bincount(idx.reshape(-1), minlength=n)
+    if valid.shape != idx.shape[:1]:
+        raise ValueError(f"`valid` must be [N] = [{idx.shape[0]}], got {list(valid.shape)}")
+    idx = torch.where(valid.to(torch.bool).view(-1, *[1] * (idx.dim() - 1)), idx, n)
+    return torch.bincount(idx.reshape(-1), minlength=n + 1)[:n]
 
 
 def quantile_from_histogram(counts: torch.Tensor, q: float, lo: float, hi: float) -> torch.Tensor:
@@ -130,20 +144,21 @@ class RouterBalancer:
 
     @torch.no_grad()
     def observe(self, scores: torch.Tensor, cutoff: torch.Tensor | None, top_idx: torch.Tensor,
-                bias: torch.Tensor) -> None:
+                bias: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Add one forward's tokens.
 
         `scores [N, E]` unbiased sigmoid scores, `cutoff [N]` the (k+1)-th biased score (quantile only),
-        `top_idx [N, k]` the selected experts (sign only), `bias [E]` the bias they were routed with.
+        `top_idx [N, k]` the selected experts (sign only), `bias [E]` the bias they were routed with,
+        `valid [N]` bool the real tokens (None: all; padding is routed but not counted).
         """
         if self.method == "quantile":
             if self.lo is None:
                 # Fixed for the whole step (the bias only moves in `apply`), so all micro-batches and ranks
                 # count into the same bins.
                 self.lo, self.hi = histogram_range(bias)
-            new = histogram_counts(cutoff.float()[:, None] - scores.float(), self.lo, self.hi, self.bins)
+            new = histogram_counts(cutoff.float()[:, None] - scores.float(), self.lo, self.hi, self.bins, valid)
         else:
-            new = torch.bincount(top_idx.reshape(-1), minlength=self.num_experts)
+            new = _bincount(top_idx, self.num_experts, valid)
         self.stats = new if self.stats is None else self.stats + new.to(self.stats.device)
 
     def local_stats(self, device: torch.device) -> torch.Tensor:

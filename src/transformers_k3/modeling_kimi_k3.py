@@ -369,7 +369,8 @@ class KimiK3TopkRouter(nn.Module):
             self._moe_balancer, self._moe_balancer_key = RouterBalancer(*key), key
         return self._moe_balancer
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None):
+        """`x [N, d]`; `valid [N]` bool, the real tokens (the balancer does not count padding)."""
         scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E] fp32
         biased = scores + self.e_score_correction_bias.float()
         balancer = self.moe_balancer() if self.training else None
@@ -378,10 +379,10 @@ class KimiK3TopkRouter(nn.Module):
             top_idx = top_idx_k1[:, : self.top_k]  # [N, k]
             # A forward run by the autograd engine is a gradient-checkpointing recompute (reentrant or not) of
             # a forward that was already counted: count each token once. The graph-task id is -1 outside
-            # backward (torch.utils.checkpoint reads the same id). Every token row counts, padding included.
+            # backward (torch.utils.checkpoint reads the same id).
             if torch._C._current_graph_task_id() == -1:
                 balancer.observe(scores.detach(), top_vals[:, self.top_k].detach(), top_idx,
-                                 self.e_score_correction_bias)
+                                 self.e_score_correction_bias, valid)
         else:
             top_idx = biased.topk(self.top_k, dim=-1).indices  # [N, k]
         top_w = scores.gather(1, top_idx)
@@ -525,10 +526,11 @@ class KimiK3LatentMoE(nn.Module):
         self.routed_expert_up_proj = nn.Linear(config.routed_expert_hidden_size, config.hidden_size, bias=False)
         self.shared_experts = KimiK3MLP(config, config.moe_intermediate_size * config.num_shared_experts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pad_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`x [B, T, d]`; `pad_mask [B, T]` (1 = real token), or None when every token is real."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [N, d]
-        _, top_w, top_idx = self.gate(flat)
+        _, top_w, top_idx = self.gate(flat, None if pad_mask is None else pad_mask.reshape(-1) > 0)
         z = self.routed_expert_down_proj(flat)  # [N, D]
         u = self.experts(z, top_idx, top_w.to(z.dtype))
         if self.config.latent_moe_use_norm:
@@ -584,8 +586,11 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
             a = self.self_attn(normed, pad_mask=pad_mask, cache=cache, cu_seqlens=cu_seqlens)
         partial = a if partial is None else partial + a
         h = self._mix(self.mlp_res_norm, self.mlp_res_proj, blocks, partial)
-        ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-        partial = partial + ffn(self.post_attention_layernorm(h))
+        normed = self.post_attention_layernorm(h)
+        if hasattr(self, "block_sparse_moe"):
+            partial = partial + self.block_sparse_moe(normed, pad_mask)
+        else:
+            partial = partial + self.mlp(normed)
         return partial, blocks
 
 

@@ -366,3 +366,63 @@ def test_sign_balancer_step_direction():
     bal.observe(torch.zeros(4, 4), None, top_idx, bias)
     bal.step(bias)
     assert bias.tolist() == [-0.5, 0.0, 0.5, 0.5]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Padding is routed but not counted
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_histogram_counts_valid_rows_only():
+    v = skewed_values(500, 6, seed=3)
+    valid = torch.rand(500, generator=torch.Generator().manual_seed(4)) < 0.6
+    lo, hi = float(v.min()) - 1, float(v.max()) + 1
+    assert torch.equal(histogram_counts(v, lo, hi, 64, valid), histogram_counts(v[valid], lo, hi, 64))
+    assert torch.equal(histogram_counts(v, lo, hi, 64, torch.ones(500, dtype=torch.bool)),
+                       histogram_counts(v, lo, hi, 64))
+    with pytest.raises(ValueError, match="valid"):
+        histogram_counts(v, lo, hi, 64, valid[:10])
+
+
+@pytest.mark.parametrize("method", ["quantile", "sign"])
+def test_router_counts_only_valid_tokens(method):
+    cfg = tiny_config(num_experts=16, num_experts_per_token=4, moe_balancing=method).text_config
+    torch.manual_seed(0)
+    a, b = KimiK3TopkRouter(cfg).train(), KimiK3TopkRouter(cfg).train()
+    with torch.no_grad():
+        a.weight.normal_()
+        b.weight.copy_(a.weight)
+    x = torch.randn(50, cfg.hidden_size)
+    valid = torch.arange(50) % 3 != 0
+    out_a = a(x, valid)
+    b(x[valid])
+    assert torch.equal(a.moe_balancer().stats, b.moe_balancer().stats)
+    for p, q in zip(out_a, a(x)):  # the mask changes what is counted, not the routing
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padded_batch_counts_real_tokens_only(qb_lm, side):
+    """A padded training batch counts exactly its real tokens: each contributes E values to every quantile
+    histogram, and the histograms are those of the two sequences run alone (to a bin or two: batched and
+    single runs round differently)."""
+    qb_lm.train()
+    long, short = _batch(B=1, T=12, seed=21), _batch(B=1, T=7, seed=22)
+    pad = torch.zeros(1, 5, dtype=torch.long)
+    ones, zeros = torch.ones(1, 7, dtype=torch.long), torch.zeros(1, 5, dtype=torch.long)
+    if side == "right":
+        ids, mask_short = torch.cat([short, pad], 1), torch.cat([ones, zeros], 1)
+    else:
+        ids, mask_short = torch.cat([pad, short], 1), torch.cat([zeros, ones], 1)
+    batch = torch.cat([long, ids])
+    mask = torch.cat([torch.ones(1, 12, dtype=torch.long), mask_short])
+    E = qb_lm.config.num_experts
+    padded = copy.deepcopy(qb_lm)
+    padded(input_ids=batch, attention_mask=mask)
+    alone = copy.deepcopy(qb_lm)
+    alone(input_ids=long)
+    alone(input_ids=short)
+    for rp, ra in zip(_routers(padded), _routers(alone)):
+        sp, sa = rp.moe_balancer().stats, ra.moe_balancer().stats
+        assert int(sp.sum()) == (12 + 7) * E  # 24 rows routed, 19 counted
+        assert int((sp - sa).abs().sum()) <= 4
