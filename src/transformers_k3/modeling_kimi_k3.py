@@ -920,6 +920,17 @@ class _KimiK3GenerationMixin:
     def _supports_default_dynamic_cache(self):
         return False
 
+    def init_continuous_batching(self, *args, **kwargs):
+        """transformers' continuous batching (`generate_batch`, `continuous_batching_context_manager`, `transformers
+        serve`; all enter here) pages full- and sliding-attention KV only: K3's KDA layers carry a recurrent state
+        per sequence, which its paged cache cannot hold, so it is refused here with the alternatives."""
+        raise NotImplementedError(
+            "continuous batching (generate_batch / init_continuous_batching) is not supported by Kimi K3: "
+            "transformers' paged cache holds attention KV only, not the KDA layers' recurrent states. Batch the "
+            "prompts with padding through generate() (cache_implementation='static' replays decode steps from a "
+            "CUDA graph)"
+        )
+
     def create_masks_for_generate(self, *args, attention_mask=None, **kwargs):
         """generate turns the 2-D padding mask into 4-D masks when the cache is compileable (a static one); K3
         builds its own masks from the 2-D one (and a static decode step needs none), so it is passed through."""

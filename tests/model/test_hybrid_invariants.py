@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from transformers import GenerationConfig
 from transformers_k3 import KimiK3Cache
 from transformers_k3.modeling_kimi_k3 import CACHE_KWARG
 from helpers import rel_err
@@ -191,7 +192,7 @@ def test_beam_scores_match_a_cache_free_beam_search(lm):
     assert torch.equal(out.sequences[0], best_seq[0])
 
 
-def test_generate_rejects_unsupported_modes(lm):
+def test_generate_rejects_unsupported_modes(lm, tiny_model):
     x = ids(1, 5)
     for impl in ("offloaded", "quantized", "sliding_window"):  # "static" is served (tests/cache/test_static_cache.py)
         with pytest.raises(ValueError, match="cache_implementation"):
@@ -199,6 +200,10 @@ def test_generate_rejects_unsupported_modes(lm):
     # A user cache built without rollback cannot serve assisted decoding.
     with pytest.raises(ValueError, match="rollback_tokens"):
         lm.generate(x, max_new_tokens=2, prompt_lookup_num_tokens=2, **{CACHE_KWARG: KimiK3Cache(lm.config)})
+    # transformers' continuous batching pages attention KV only; every entry point goes through this one.
+    for model in (lm, tiny_model):
+        with pytest.raises(NotImplementedError, match="continuous batching.*KDA"):
+            model.generate_batch([[1, 2, 3], [4, 5]], GenerationConfig(max_new_tokens=2), progress_bar=False)
 
 
 @torch.no_grad()
