@@ -273,13 +273,13 @@ def mla_paged_attention(module, q_nope, q_pe, latent, cache, attention_mask=None
     if getattr(cache, "is_static", False) and T == 1:
         # A static cache's decode step reads only device buffers at their full size (no host-side length):
         # what a captured CUDA graph needs. Splits past a sequence's length do no work.
-        lengths, table, max_len = cache.device_lengths[layer], cache.block_table, cache.static_len
-        mask = cache.key_valid[:, None, :]  # [B, 1, static_len]
+        lengths, table, max_len = cache.device_lengths[layer], cache.block_table_on(pool.device), cache.static_len
+        mask = cache.key_valid_on(pool.device)[:, None, :]  # [B, 1, static_len]
     else:
         L = cache.lengths[layer]
         n_blocks = math.ceil(L / cache.page_size)
         lengths, max_len = torch.full((B,), L, dtype=torch.int32, device=q_nope.device), L
-        table = cache.block_table[:, :n_blocks]
+        table = cache.block_table_on(pool.device)[:, :n_blocks]
         mask = None if attention_mask is None else attention_mask[:, 0]  # [B, T, L]
     o_lat = mla_paged_decode(q_lat.to(pool.dtype), q_pe, pool, table, lengths, module.scaling, mask=mask,
                              max_len=max_len)

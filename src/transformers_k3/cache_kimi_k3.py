@@ -64,6 +64,7 @@ class KimiK3Cache(Cache):
     # bookkeeping -------------------------------------------------------------------------------------------
     def reset(self) -> None:
         self.block_table: torch.Tensor | None = None  # [B, n_blocks] page ids
+        self._tables: dict[torch.device, torch.Tensor] = {}  # copies of block_table for MLA layers on other GPUs
         self.num_pages = 0
         self.pools: dict[int, torch.Tensor] = {}  # layer -> [num_pages, page_size, latent_dim]
         self.lengths: dict[int, int] = {i: 0 for i in self.mla_layers}
@@ -73,11 +74,33 @@ class KimiK3Cache(Cache):
         self._seen_tokens = 0
         # Static caches only: the lengths again as [B] int64 device tensors, and which cached keys are real tokens.
         self.device_lengths: dict[int, torch.Tensor] = {}
-        self.key_valid: torch.Tensor | None = None  # [B, static_len] bool
+        self._key_valid: dict[torch.device, torch.Tensor] = {}  # [B, static_len] bool, one per device (see key_valid_on)
         self.decode_graph = None  # the captured decode step (cuda_graph.DecodeGraph) of a static cache
 
     def __len__(self) -> int:
         return len(self.layer_types)
+
+    # Layers may sit on several GPUs (`device_map="auto"`): the page table and the key-padding flags, shared by the
+    # MLA layers, are read on each layer's own device.
+    def block_table_on(self, device: torch.device) -> torch.Tensor | None:
+        """`block_table` on `device`: the table itself, or a copy made once per table (a grown or reordered table
+        is a new tensor, so a stale copy is never returned)."""
+        table = self.block_table
+        if table is None or table.device == device:
+            return table
+        copy = self._tables.get(device)
+        if copy is None or copy[0] is not table:
+            copy = self._tables[device] = (table, table.to(device))
+        return copy[1]
+
+    def key_valid_on(self, device: torch.device) -> torch.Tensor | None:
+        """Static caches: which cached keys are real tokens, `[B, static_len]` bool on `device`. Each device keeps
+        its own flags, written by its own layers (every MLA layer writes the same positions and flags)."""
+        return self._key_valid.get(device)
+
+    @property
+    def key_valid(self) -> torch.Tensor | None:
+        return next(iter(self._key_valid.values()), None)
 
     @property
     def is_sliding(self) -> list[bool]:
@@ -156,7 +179,7 @@ class KimiK3Cache(Cache):
             )
         have = self.block_table.shape[1]
         if need > have:
-            new = torch.arange(self.num_pages, self.num_pages + batch * (need - have), device=device)
+            new = torch.arange(self.num_pages, self.num_pages + batch * (need - have), device=self.block_table.device)
             self.block_table = torch.cat([self.block_table, new.view(batch, need - have)], dim=1)
             self.num_pages += batch * (need - have)
 
@@ -185,16 +208,17 @@ class KimiK3Cache(Cache):
             # Positions from the device lengths, so a captured step writes where the replayed step is.
             if layer_idx not in self.device_lengths:
                 self.device_lengths[layer_idx] = torch.full((batch,), start, dtype=torch.long, device=latent.device)
-            if self.key_valid is None:
-                self.key_valid = torch.ones(batch, self.static_len, dtype=torch.bool, device=latent.device)
+            if latent.device not in self._key_valid:
+                self._key_valid[latent.device] = torch.ones(batch, self.static_len, dtype=torch.bool,
+                                                            device=latent.device)
             pos = self.device_lengths[layer_idx][:, None] + torch.arange(t, device=latent.device)  # [B, T]
         else:
             pos = torch.arange(start, end, device=latent.device).expand(batch, t)  # [B, T]
-        pages = self.block_table.gather(1, pos // self.page_size)  # [B, T]
+        pages = self.block_table_on(latent.device).gather(1, pos // self.page_size)  # [B, T]
         pool[pages, pos % self.page_size] = latent.to(pool.dtype)
         if self.is_static:
             valid = torch.ones_like(pos, dtype=torch.bool) if key_valid is None else key_valid.to(torch.bool)
-            self.key_valid.scatter_(1, pos, valid)
+            self._key_valid[latent.device].scatter_(1, pos, valid)
             self.device_lengths[layer_idx] += t
         self.lengths[layer_idx] = end
 
@@ -209,7 +233,7 @@ class KimiK3Cache(Cache):
         self.append_latent(layer_idx, latent, key_valid)
         end, batch = self.lengths[layer_idx], latent.shape[0]
         n_blocks = math.ceil(end / self.page_size)
-        gathered = self.pools[layer_idx][self.block_table[:, :n_blocks]]  # [B, n_blocks, page, latent_dim]
+        gathered = self.pools[layer_idx][self.block_table_on(latent.device)[:, :n_blocks]]  # [B, n_blocks, page, dim]
         return gathered.reshape(batch, n_blocks * self.page_size, self.latent_dim)[:, :end]
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -302,7 +326,7 @@ class KimiK3Cache(Cache):
             table = self.block_table.index_select(0, index.to(self.block_table.device))  # [B', n_blocks]
             # Rows may now share pages; copy them into fresh, private pages so later appends cannot collide.
             for layer, pool in self.pools.items():
-                self.pools[layer] = pool[table.reshape(-1)].clone()
+                self.pools[layer] = pool[table.reshape(-1).to(pool.device)].clone()
             self.num_pages = table.numel()
             self.block_table = torch.arange(self.num_pages, device=table.device).view(-1, n_blocks)
         for layer, states in self.conv_states.items():

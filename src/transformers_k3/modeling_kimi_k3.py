@@ -7,6 +7,7 @@ backends are chosen in `k3_kernels.dispatch`, never here.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -576,6 +577,10 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
 
         `causal_only`: `attention_mask` is the plain causal mask of a fresh prompt (no padding, no prefix, no
         packing), so MLA may attend with `is_causal=True` and no mask (flash / cuDNN SDPA kernels)."""
+        with _on_device_of(partial):
+            return self._forward(partial, blocks, attention_mask, pad_mask, cache, cu_seqlens, causal_only)
+
+    def _forward(self, partial, blocks, attention_mask, pad_mask, cache, cu_seqlens, causal_only):
         h = self._mix(self.self_attention_res_norm, self.self_attention_res_proj, blocks, partial) if blocks else partial
         if self.layer_idx % self.config.attn_res_block_size == 0:
             blocks, partial = blocks + [partial], None
@@ -592,6 +597,14 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         else:
             partial = partial + self.mlp(normed)
         return partial, blocks
+
+
+def _on_device_of(x: torch.Tensor):
+    """Triton launches its kernels on the current CUDA device, whatever their tensors' device: with the layers
+    spread over GPUs (`device_map`), each layer runs with its own GPU current."""
+    if x.is_cuda and x.device.index != torch.cuda.current_device():
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -856,8 +869,12 @@ class KimiK3Model(KimiK3PreTrainedModel):
                                         causal_only=pad_mask is None and past == 0)
             if output_hidden_states:
                 hidden_states += (partial,)
-        h = dispatch.attn_res(blocks + [partial], self.output_attn_res_proj.weight, self.output_attn_res_norm.weight,
-                              self.output_attn_res_norm.variance_epsilon)
+        w = self.output_attn_res_proj.weight
+        if partial.device != w.device:  # layers and the output mix on different GPUs (device_map)
+            partial, blocks = partial.to(w.device), [b.to(w.device) for b in blocks]
+        with _on_device_of(partial):
+            h = dispatch.attn_res(blocks + [partial], w, self.output_attn_res_norm.weight,
+                                  self.output_attn_res_norm.variance_epsilon)
         h = self.norm(h)
         return BaseModelOutputWithPast(last_hidden_state=h, hidden_states=hidden_states, **{CACHE_KWARG: cache})
 
@@ -954,6 +971,12 @@ def _static_decode_step(model, input_ids=None, inputs_embeds=None, **inputs):
     )
     if not step:
         return model(input_ids=input_ids, inputs_embeds=inputs_embeds, **inputs)
+    devices = set(getattr(model, "hf_device_map", {}).values())
+    if len(devices) > 1:
+        raise ValueError(
+            f"cache_implementation='static' replays decode steps from a CUDA graph of one GPU, but the model is "
+            f"spread over {sorted(map(str, devices))} (device_map): pass disable_compile=True to run them eagerly"
+        )
     impl = model.config.get_text_config(decoder=True)._attn_implementation
     if impl != "k3_mla_paged":
         raise ValueError(

@@ -45,6 +45,26 @@ def test_reorder_then_continue_matches_reordered_rows(lm):
 
 
 @torch.no_grad()
+def test_block_table_per_device_copies(lm):
+    """MLA layers on other GPUs (device_map) read the page table on their own device: one copy per table, made
+    again once the table grows or is reordered (the meta device stands in for a second GPU here; the real thing
+    is tests/cache/test_multi_gpu.py)."""
+    cache = KimiK3Cache(lm.config)
+    assert cache.block_table_on(torch.device("meta")) is None
+    x = torch.randint(0, 500, (2, 3))
+    lm(input_ids=x, cache=cache, use_cache=True)
+    table, other = cache.block_table, torch.device("meta")
+    assert cache.block_table_on(table.device) is table
+    copy = cache.block_table_on(other)
+    assert copy.device == other and copy.shape == table.shape and cache.block_table_on(other) is copy
+    lm(input_ids=torch.randint(0, 500, (2, lm.config.mla_page_size)), cache=cache, use_cache=True)  # new pages
+    grown = cache.block_table_on(other)
+    assert grown is not copy and grown.shape == cache.block_table.shape != copy.shape
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert cache.block_table_on(other) is not grown
+
+
+@torch.no_grad()
 def test_batch_repeat_and_select(lm):
     x = torch.randint(0, 500, (2, 7))
     cache = KimiK3Cache(lm.config)
