@@ -81,15 +81,21 @@ def test_counts_of_three_micro_batches_equal_one_batch():
     assert torch.equal(quantile_from_histogram(summed, 0.125, lo, hi), quantile_from_histogram(whole, 0.125, lo, hi))
 
 
-def test_balancer_accumulates_micro_batches_exactly():
-    """Through the router: three micro-batch forwards give the same bias as one forward of all tokens."""
-    cfg = tiny_config(num_experts=16, num_experts_per_token=4, moe_balancing="quantile").text_config
+def _twin_routers(method):
+    """Two training-mode routers with the same random weights (16 experts, top-4)."""
+    cfg = tiny_config(num_experts=16, num_experts_per_token=4, moe_balancing=method).text_config
     torch.manual_seed(0)
     a, b = KimiK3TopkRouter(cfg).train(), KimiK3TopkRouter(cfg).train()
     with torch.no_grad():
         a.weight.normal_()
         b.weight.copy_(a.weight)
-    x = torch.randn(300, cfg.hidden_size)
+    return a, b
+
+
+def test_balancer_accumulates_micro_batches_exactly():
+    """Through the router: three micro-batch forwards give the same bias as one forward of all tokens."""
+    a, b = _twin_routers("quantile")
+    x = torch.randn(300, a.config.hidden_size)
     for part in x.split([100, 37, 163]):
         a(part)
     b(x)
@@ -386,13 +392,8 @@ def test_histogram_counts_valid_rows_only():
 
 @pytest.mark.parametrize("method", ["quantile", "sign"])
 def test_router_counts_only_valid_tokens(method):
-    cfg = tiny_config(num_experts=16, num_experts_per_token=4, moe_balancing=method).text_config
-    torch.manual_seed(0)
-    a, b = KimiK3TopkRouter(cfg).train(), KimiK3TopkRouter(cfg).train()
-    with torch.no_grad():
-        a.weight.normal_()
-        b.weight.copy_(a.weight)
-    x = torch.randn(50, cfg.hidden_size)
+    a, b = _twin_routers(method)
+    x = torch.randn(50, a.config.hidden_size)
     valid = torch.arange(50) % 3 != 0
     out_a = a(x, valid)
     b(x[valid])
