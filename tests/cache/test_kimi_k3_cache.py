@@ -77,6 +77,24 @@ def test_batch_repeat_and_select(lm):
 
 
 @torch.no_grad()
+def test_prompt_cache_reuse_by_deepcopy(lm):
+    """transformers' prompt-reuse recipe: fill a cache with a shared prefix once, then generate each continuation
+    from a deep copy of it; the copies are independent and give the tokens of a fresh generate."""
+    import copy
+
+    prefix = torch.randint(0, 500, (1, 10))
+    shared = KimiK3Cache(lm.config)
+    lm(input_ids=prefix, cache=shared, use_cache=True)
+    before = shared.nbytes(), shared.get_seq_length()
+    for n in (3, 1 + lm.config.mla_page_size):  # the second crosses a page boundary
+        ids = torch.cat([prefix, torch.randint(0, 500, (1, n))], 1)
+        want = lm.generate(ids, max_new_tokens=4, do_sample=False)
+        got = lm.generate(ids, max_new_tokens=4, do_sample=False, cache=copy.deepcopy(shared))
+        assert torch.equal(got, want)
+    assert (shared.nbytes(), shared.get_seq_length()) == before  # the shared prefix cache is untouched
+
+
+@torch.no_grad()
 def test_crop_raises_and_reset_clears(lm):
     cache = KimiK3Cache(lm.config)
     lm(input_ids=torch.randint(0, 500, (1, 5)), cache=cache, use_cache=True)
