@@ -581,7 +581,14 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
             return self._forward(partial, blocks, attention_mask, pad_mask, cache, cu_seqlens, causal_only)
 
     def _forward(self, partial, blocks, attention_mask, pad_mask, cache, cu_seqlens, causal_only):
-        h = self._mix(self.self_attention_res_norm, self.self_attention_res_proj, blocks, partial) if blocks else partial
+        # Layer 0 has no completed block: its mix has the one candidate P, weight 1, an exact identity whose query
+        # and key norm get zero gradient. Training runs it all the same, so that those released parameters take
+        # part in the loss: DDP without find_unused_parameters (Trainer's choice under gradient checkpointing)
+        # fails on parameters that do not.
+        if blocks or self.training:
+            h = self._mix(self.self_attention_res_norm, self.self_attention_res_proj, blocks, partial)
+        else:
+            h = partial
         if self.layer_idx % self.config.attn_res_block_size == 0:
             blocks, partial = blocks + [partial], None
         normed = self.input_layernorm(h)
@@ -1358,11 +1365,16 @@ class KimiK3ForConditionalGeneration(_KimiK3GenerationMixin, KimiK3PreTrainedMod
             )
         return is_ph[..., None].expand_as(inputs_embeds)
 
-    def forward(self, input_ids=None, pixel_values=None, image_grid_thw=None, inputs_embeds=None, grid_thw=None,
-                **kwargs):
+    def forward(self, input_ids=None, pixel_values=None, image_grid_thw=None, attention_mask=None, position_ids=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, past_key_values=None, cache=None,
+                grid_thw=None, **kwargs):
+        """The language model's arguments, named (Trainer keeps only the dataset columns the forward's signature
+        names: with `**kwargs` alone it dropped `labels`), plus the images."""
         grid_thw = image_grid_thw if image_grid_thw is not None else grid_thw
+        cache = _pop_cache(kwargs, cache, past_key_values)
+        kwargs.update(attention_mask=attention_mask, position_ids=position_ids, labels=labels, use_cache=use_cache,
+                      logits_to_keep=logits_to_keep, cache=cache)
         if pixel_values is None:
-            cache = kwargs.get("cache", kwargs.get("past_key_values"))
             continuing = cache is not None and cache.get_seq_length() > 0
             # A placeholder token sampled during decoding is embedded as an ordinary token; in a fresh prompt it
             # means an image is missing.

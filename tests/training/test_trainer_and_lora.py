@@ -304,3 +304,36 @@ def test_peft_lora_on_short_convs_rank_divisible_by_groups_raises(ckpt):
     with pytest.raises(TypeError, match="short convs"):
         model = get_peft_model(load_lm(ckpt), LoraConfig(r=64, target_modules=["q_conv1d"], init_lora_weights=False))
         model(input_ids=torch.tensor([[1, 2, 3, 4, 5]]), use_cache=False)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 6. Data-parallel Trainer (DDP over two gloo ranks on the CPU, launched by torchrun)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["released", "language_model"])
+def test_trainer_ddp_two_ranks(ckpt, which, tmp_path):
+    """`torchrun --nproc_per_node 2` of a Trainer script with gradient checkpointing (so Trainer builds DDP with
+    find_unused_parameters=False, which fails on any trainable parameter the loss does not reach): every trainable
+    parameter gets a gradient (layer 0's single-candidate AttnRes mix included), `labels` reach the released
+    container's forward, and both ranks end with the same weights."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import socket
+
+    with socket.socket() as sock:  # torchrun's --master_port 0 is not a free port for the ranks' rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    script = os.path.join(os.path.dirname(__file__), "ddp_trainer_script.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1")
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), script,
+         str(ckpt), which, str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    sums = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert len(sums[0]) > 0 and sums[0] == sums[1]
