@@ -64,7 +64,8 @@ class KimiK3Cache(Cache):
     # bookkeeping -------------------------------------------------------------------------------------------
     def reset(self) -> None:
         self.block_table: torch.Tensor | None = None  # [B, n_blocks] page ids
-        self._tables: dict[torch.device, torch.Tensor] = {}  # copies of block_table for MLA layers on other GPUs
+        # device -> (block_table, its copy there), for MLA layers on other GPUs (see block_table_on)
+        self._tables: dict[torch.device, tuple] = {}
         self.num_pages = 0
         self.pools: dict[int, torch.Tensor] = {}  # layer -> [num_pages, page_size, latent_dim]
         self.lengths: dict[int, int] = {i: 0 for i in self.mla_layers}
@@ -74,7 +75,7 @@ class KimiK3Cache(Cache):
         self._seen_tokens = 0
         # Static caches only: the lengths again as [B] int64 device tensors, and which cached keys are real tokens.
         self.device_lengths: dict[int, torch.Tensor] = {}
-        self._key_valid: dict[torch.device, torch.Tensor] = {}  # [B, static_len] bool, one per device (see key_valid_on)
+        self._key_valid: dict[torch.device, torch.Tensor] = {}  # [B, static_len] bool per device (key_valid_on)
         self.decode_graph = None  # the captured decode step (cuda_graph.DecodeGraph) of a static cache
 
     def __len__(self) -> int:
