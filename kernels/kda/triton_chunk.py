@@ -757,9 +757,12 @@ def chunk_kda_fwd(
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=-5.0,
     use_beta_sigmoid_in_kernel=False, out=None, block_v=None, num_warps=4, split=True, chunk_size=64,
     num_stages=None, prep_num_warps=None, state_dot="bf16", lowp_buffers=True, output="stored", h_dtype=None,
-    out_block_v=None, out_num_warps=None, out_num_stages=None,
+    out_block_v=None, out_num_warps=None, out_num_stages=None, keep_for_backward=False,
 ):
     """Forward only (no autograd). ``out`` (optional, [B, T, H, V], v.dtype) receives the output.
+
+    ``keep_for_backward``: also return what the 64-token backward would otherwise recompute, ``(o, ht, kept)``,
+    for ``triton_chunk_bwd.chunk_kda_bwd(kept=...)``; only with the default launches (the same o).
 
     ``output="stored"`` (default; fla's chunk_kda layout, both chunk sizes): prep as below, then the sequential
     kernel only computes u = u0 - w S ("v_new", fp32 [B, T, H, V]; q.dtype with ``lowp_buffers``) and stores
@@ -841,21 +844,29 @@ def chunk_kda_fwd(
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous() if cu_seqlens is not None else None
     dot_mode = 0 if q.dtype != torch.bfloat16 else 2 if os.environ.get("TRITON_INTERPRET") == "1" else 1
     gate_args = (A_log.contiguous(), dt_bias.contiguous()) if use_gate_in_kernel else (dummy, dummy)
+    flags = (bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel), bool(use_qk_l2norm_in_kernel))
+    h_dtype = h_dtype or (torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32)
+    if keep_for_backward:
+        tuning = (block_v, num_warps, num_stages, prep_num_warps, state_dot, lowp_buffers, out_block_v,
+                  out_num_warps, out_num_stages)
+        if chunk_size != 64 or output != "stored" or tuning != (None, 4, None, None, "bf16", True, None, None, None):
+            raise ValueError("keep_for_backward needs the default 64-token launches (chunk_size=64, output='stored', "
+                             "no tuning arguments): the backward's buffers come from those kernels")
+        kept = _recompute_for_backward(q, k, v, g, beta, h0, cu_seqlens, gate_args, float(scale), float(lower_bound),
+                                       (B, T, H, K, V, N), dot_mode, h_dtype, flags, out=out, ht=ht)
+        return out, ht, kept
     if output == "stored":
         OBV = out_block_v or min(V, 128)
         if V % OBV or not _is_pow2(OBV):
             raise ValueError(f"out_block_v must be a power of two >= 16 dividing V = {V}, got {OBV}")
         _stored_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, float(scale), float(lower_bound),
                     (B, T, H, K, V, N), chunk_size, BV, OBV, dot_mode, num_warps, num_stages, prep_num_warps,
-                    out_num_warps or 4, out_num_stages, state_dot, bool(lowp_buffers),
-                    h_dtype or (torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32),
-                    (bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel), bool(use_qk_l2norm_in_kernel)))
+                    out_num_warps or 4, out_num_stages, state_dot, bool(lowp_buffers), h_dtype, flags)
         return out, ht
     if chunk_size == 64:
         _chunk64_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, float(scale), float(lower_bound),
                      (B, T, H, K, V, N), BV, dot_mode, num_warps, num_stages, prep_num_warps, state_dot,
-                     bool(lowp_buffers),
-                     (bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel), bool(use_qk_l2norm_in_kernel)))
+                     bool(lowp_buffers), flags)
         return out, ht
     w_buf = u_buf = dummy
     if split and T > 0:
@@ -1026,11 +1037,12 @@ _DENSE_LAYOUTS: dict = {}  # (B, T, chunk, device) -> chunk layout tensors of a 
 
 def _stored_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, lower_bound, dims, chunk_size, BV,
                 OBV, dot_mode, num_warps, num_stages, prep_num_warps, out_num_warps, out_num_stages, state_dot,
-                lowp_buffers, h_dtype, flags, for_backward=False):
+                lowp_buffers, h_dtype, flags, for_backward=False, with_output=False):
     """``output="stored"``: prep (parallel) -> state kernel storing h and u (sequential) -> output (parallel).
 
-    ``for_backward`` (64-token chunks; ``triton_chunk_bwd``'s recompute): no output kernel; the prep also keeps
-    X, the normalised Akk and the row scales, and every buffer is returned in a dict with the chunk layout.
+    ``for_backward`` (64-token chunks; ``triton_chunk_bwd``'s recompute): the prep also keeps X, the normalised
+    Akk and the row scales, and every buffer is returned in a dict with the chunk layout; no output kernel unless
+    ``with_output`` (a forward that keeps its buffers for the backward, see ``_ChunkKDAFunction``).
 
     Buffers as in ``_chunk64_fwd`` (w, qg in q.dtype; kd, Aqk fp32 unless ``lowp_buffers``; u0 fp32), plus
     h [chunks, H, K, V] in ``h_dtype`` (chunk_kda_fwd's default: bf16 for bf16 inputs, which rounds the state
@@ -1118,12 +1130,15 @@ def _stored_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, low
         )
 
     _launch_pipelined(launch_state, num_stages, st_dot not in (1, 2))
+    kept = None
     if for_backward:
-        return dict(n_chunks=n_chunks, NT=NT, cu=cu_all, chunk_offsets=chunk_offsets, chunk_indices=chunk_indices,
+        kept = dict(n_chunks=n_chunks, NT=NT, cu=cu_all, chunk_offsets=chunk_offsets, chunk_indices=chunk_indices,
                     w=w_buf, qg=qg_buf, kd=kd_buf, Aqk=A_buf, gl=gl_buf, h=h_buf, u=vn_buf, xb=x_buf, r=r_buf,
                     X=bwd_bufs[0], Akk=bwd_bufs[1], st_dot=st_dot, wu_dot=tf32 if bf16 else 0)
+        if not with_output:
+            return kept
     if not n_chunks:
-        return
+        return kept
     # qg h: bf16 operands when both are bf16 already (exact products, bf16 MMA rate); else the state mode
     qh_dot = dot_mode if (bf16 and h_dtype == torch.bfloat16 and st_dot != 0) else st_dot
 
@@ -1135,6 +1150,19 @@ def _stored_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, low
         )
 
     _launch_pipelined(launch_out, out_num_stages)
+    return kept
+
+
+def _recompute_for_backward(q, k, v, g, beta, h0, cu_seqlens, gate_ptrs, scale, lower_bound, dims, dot_mode,
+                            state_dtype, flags, out=None, ht=None):
+    """The 64-token forward with what the backward needs kept (``_stored_fwd(for_backward=True)``), with
+    ``chunk_kda_fwd``'s default launches and numerics: run by ``triton_chunk_bwd`` (the recompute), or by the
+    forward itself when it keeps its buffers (then with ``out`` / ``ht`` to fill, the same o as the plain forward).
+    ``h0`` fp32 or None; ``gate_ptrs`` (A_log, dt_bias) or placeholders."""
+    V = dims[4]
+    return _stored_fwd(q, k, v, g, beta, q if out is None else out, h0, ht, cu_seqlens, gate_ptrs, scale,
+                       lower_bound, dims, 64, min(V, 64), min(V, 128), dot_mode, 4, None, None, 4, None, "bf16",
+                       True, state_dtype, flags, for_backward=True, with_output=out is not None)
 
 
 def _reference_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, flags):
@@ -1156,17 +1184,35 @@ class _ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, flags, fwd_options):
         # fwd_options: extra keyword arguments of chunk_kda_fwd (output, chunk_size, tuning). The backward
-        # recomputes what it needs from the saved inputs, so none of the forward's intermediates is kept.
+        # recomputes what it needs from the saved inputs, so none of the forward's intermediates is kept, unless
+        # keep_buffers (below) trades their memory for that recompute.
         use_l2, use_gate, use_bsig, lower_bound = flags
-        o, ht = chunk_kda_fwd(
+        keep = _ChunkKDAFunction._keeps(ctx, fwd_options)
+        out = chunk_kda_fwd(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
             cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_l2, use_gate_in_kernel=use_gate,
             A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_bsig,
-            **fwd_options,
+            keep_for_backward=keep, **fwd_options,
         )
+        o, ht = out[:2]
+        ctx.kept = out[2] if keep else None
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state)
         ctx.cu_seqlens, ctx.scale, ctx.flags = cu_seqlens, scale, flags
         return o, ht
+
+    # Whether the forward keeps the buffers its Triton backward needs (w, u, qg, kd, Aqk, X, Akk, h: about 1.9 GB
+    # per call at T = 8K, H = 96, K = V = 128 in bf16, held from the forward to the backward) instead of the
+    # backward recomputing them (the forward's prep, w / u0 and state kernels again: about 2.4 of the 14.4 ms of
+    # forward + backward at T = 8K on the H200, eleventh session). Off by default. For training without gradient
+    # checkpointing when memory allows; with checkpointing it would hold every layer's buffers through the whole
+    # forward (they are not saved tensors, which checkpointing drops), so leave it off there.
+    keep_buffers = os.environ.get("K3_KDA_KEEP_BUFFERS", "0") == "1"
+
+    @staticmethod
+    def _keeps(ctx, fwd_options) -> bool:
+        return (bool(_ChunkKDAFunction.keep_buffers) and any(ctx.needs_input_grad[:8])
+                and fwd_options == {"output": "stored"} and _ChunkKDAFunction.backward_impl == "triton"
+                and _ChunkKDAFunction.bwd_options in ({}, {"chunk_size": 64}))  # else the backward would not use them
 
     # "triton": Triton backward (triton_chunk_bwd.py), preprocessing included;
     # "reference": recompute with the fp32 torch reference under autograd (slow, kept for comparison).
@@ -1208,10 +1254,11 @@ class _ChunkKDAFunction(torch.autograd.Function):
         use_l2, use_gate, use_bsig, lower_bound = ctx.flags
         # the same flags as the forward: the kernels redo the elementwise preprocessing and take its backward
         # in their epilogue, so the gradients come back with respect to the raw inputs
+        kept, ctx.kept = ctx.kept, None  # released with this backward, not with the graph
         dq, dk, dv, dg, db, dh0, dA, ddt = chunk_kda_bwd(
             q, k, v, g, beta, do, scale=ctx.scale, initial_state=h0, dht=dht, cu_seqlens=ctx.cu_seqlens,
             use_qk_l2norm_in_kernel=use_l2, use_gate_in_kernel=use_gate, A_log=A_log, dt_bias=dt_bias,
-            lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_bsig, check_gate=False,
+            lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_bsig, check_gate=False, kept=kept,
             **_ChunkKDAFunction.bwd_options,
         )
         if use_gate:

@@ -63,7 +63,8 @@ whole [64, 64] tiles, ``Xb = X diag(beta)``, so dXb = du v^T + dw kg^T, dv = Xb^
 dX = dXb diag(beta), dbeta gains colsum(dXb * X)):
 
 1. the forward's own 64-token kernels recompute w, u0, qg, kd, Aqk, G_last, h (bf16 for bf16 inputs) and u,
-   keeping X and the normalised strict Akk as well (``triton_chunk._stored_fwd(for_backward=True)``);
+   keeping X and the normalised strict Akk as well (``triton_chunk._recompute_for_backward``); or all of these
+   come from a forward that kept them (``kept``);
 2. ``_bwd64_dstate_kernel``: the reverse carry above over 64-token chunks (dh, du);
 3. ``_bwd64_inter_kernel``, parallel over (chunk, head, K-block + 1): the sums over V and the inter-chunk
    gradients in fp32 scratch, Xb's gradient as per-program partials (deterministic, no atomics);
@@ -108,8 +109,8 @@ import triton
 import triton.language as tl
 
 from . import reference as _ref
-from .triton_chunk import (_beta_of, _bias_cols, _chunk_of, _ks_sub, _mm64, _rows_of, _seq_of, _state_tile,
-                           _stored_fwd, check_gate_args)
+from .triton_chunk import (_beta_of, _bias_cols, _chunk_of, _ks_sub, _mm64, _recompute_for_backward, _rows_of,
+                           _seq_of, _state_tile, check_gate_args)
 
 __all__ = ["chunk_kda_bwd"]
 
@@ -692,7 +693,7 @@ def chunk_kda_bwd(
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=-5.0,
     use_beta_sigmoid_in_kernel=False,
     state_dtype=None, block_v=None, num_warps=None, chunk_block_v=None, chunk_num_warps=4,
-    chunk_num_stages=1, check_gate=True, chunk_size=64,
+    chunk_num_stages=1, check_gate=True, chunk_size=64, kept=None,
 ):
     """Gradients of the chunked KDA, through the same in-kernel preprocessing flags as the forward.
 
@@ -711,6 +712,8 @@ def chunk_kda_bwd(
     sweep on the H200 at K = V = 128, T = 8K (BENCHMARKS.md, fifth session: 22.2 ms forward + backward, against
     33.7 with the earlier 32 / 4 and 16 / 8 / Triton-default stages). ``check_gate``: verify -5 <= g <= 0 for a
     precomputed g (one reduction and a host sync; ``_ChunkKDAFunction`` skips it, its forward has checked).
+    ``kept``: the buffers of ``chunk_kda_fwd(..., keep_for_backward=True)`` on these inputs (64-token chunks), used
+    instead of recomputing them (the same gradients).
 
     Returns (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias): the gradients with respect to the inputs as
     given (dg is dz with the in-kernel gate, dbeta the logits' gradient with the in-kernel sigmoid), each in
@@ -730,6 +733,8 @@ def chunk_kda_bwd(
         raise ValueError(f"state_dtype must be None, torch.float32 or torch.bfloat16, got {state_dtype}")
     if chunk_size not in (16, 64):
         raise ValueError(f"chunk_size must be 16 or 64, got {chunk_size}")
+    if kept is not None and chunk_size != 64:
+        raise ValueError("kept (the forward's buffers) serves the 64-token backward only")
     if not g.is_floating_point():
         raise ValueError(f"g must be a floating-point log decay, got {g.dtype}")
     if check_gate and g.numel() and not use_gate_in_kernel:
@@ -767,7 +772,7 @@ def chunk_kda_bwd(
             (A_log, dt_bias, float(lower_bound)) if gate else None,
             (gate, bool(use_beta_sigmoid_in_kernel), bool(use_qk_l2norm_in_kernel)),
             state_dtype or (torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32),
-            block_v, num_warps or 4, (dq, dk, dv, dg, dbeta, dh0),
+            block_v, num_warps or 4, (dq, dk, dv, dg, dbeta, dh0), kept,
         )
     # per-chunk states stored in bf16 for bf16 inputs, as the forward's h (the carried states stay fp32)
     state_dtype = state_dtype or (torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32)
@@ -843,9 +848,10 @@ _UT64_WARPS = 4
 
 
 def _chunk_kda_bwd64(q, k, v, g, beta, do, scale, h0, dht, cu_seqlens, dims, gate_args, flags, state_dtype,
-                     block_v, num_warps, outs):
+                     block_v, num_warps, outs, kept=None):
     """The 64-token backward: the forward's 64-token prep and state kernels recompute w, u0, qg, kd, Aqk, X, Akk,
-    h and u (``triton_chunk._stored_fwd(for_backward=True)``), then ``_bwd64_dstate_kernel`` (sequential),
+    h and u (``triton_chunk._recompute_for_backward``, or ``kept`` by the forward), then
+    ``_bwd64_dstate_kernel`` (sequential),
     ``_bwd64_inter_kernel``, ``_bwd64_ut_kernel``, ``_bwd64_intra_kernel`` and ``_bwd64_l2_kernel`` (parallel over
     chunks)."""
     B, T, H, K, V, N = dims
@@ -859,10 +865,10 @@ def _chunk_kda_bwd64(q, k, v, g, beta, do, scale, h0, dht, cu_seqlens, dims, gat
     A_log, dt_bias, lower_bound = gate_args if use_gate else (q, q, 0.0)
     gate_ptrs = (A_log.contiguous(), dt_bias.contiguous()) if use_gate else (q, q)
     h0f = h0.float().contiguous() if h0 is not None else None
-    # the forward's own buffers and numerics (its defaults: bf16 state products, low-precision buffers)
-    fb = _stored_fwd(q, k, v, g, beta, q, h0f, None, cu_seqlens, gate_ptrs, scale, lower_bound, dims, 64,
-                     min(V, 64), min(V, 128), dot_mode, 4, None, None, 4, None, "bf16", True, state_dtype, flags,
-                     for_backward=True)
+    # the forward's own buffers and numerics (its defaults: bf16 state products, low-precision buffers), kept by
+    # the forward or recomputed here
+    fb = kept if kept is not None else _recompute_for_backward(q, k, v, g, beta, h0f, cu_seqlens, gate_ptrs, scale,
+                                                               lower_bound, dims, dot_mode, state_dtype, flags)
     n_chunks, NT, is_varlen = fb["n_chunks"], max(fb["NT"], 1), cu_seqlens is not None
     st_dot, x_dot = fb["st_dot"], fb["wu_dot"]
     BV = block_v or min(V, 32)

@@ -387,3 +387,50 @@ def test_chunk_kda_partial_requires_grad():
                         use_qk_l2norm_in_kernel=True, chunk_size=16)
     dv2, dz2 = torch.autograd.grad(o2.sum(), (v2, z2))
     assert rel_err(dv, dv2) <= 1e-4 and rel_err(dz, dz2) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_kda_kept_buffers_same_bits(dtype, bwd_chunk, monkeypatch):
+    """`_ChunkKDAFunction.keep_buffers`: the forward keeps what the 64-token backward would recompute; o, the final
+    state and every gradient are bit for bit those of the recompute, and the backward recomputes nothing."""
+    import k3_kernels.kda.triton_chunk_bwd as TB
+
+    cu = torch.tensor([0, 29, 70], dtype=torch.int32, device=DEVICE)
+    x = make_raw(T=70, N=2, dtype=dtype, seed=5)
+    names = ("q", "k", "v", "z", "beta_raw", "A_log", "dt_bias", "h0")
+    gen = torch.Generator().manual_seed(6)
+    o_w = torch.randn(1, 70, 2, 16, generator=gen).to(DEVICE)
+    s_w = torch.randn(2, 2, 16, 16, generator=gen).to(DEVICE)
+    recomputes = []
+    recompute = TB._recompute_for_backward
+    monkeypatch.setattr(TB, "_recompute_for_backward", lambda *a, **k: recomputes.append(1) or recompute(*a, **k))
+
+    def run(keep):
+        monkeypatch.setattr(TC._ChunkKDAFunction, "keep_buffers", keep)
+        ts = [x[n].clone().requires_grad_() for n in names]
+        q, k, v, z, b, A_log, dt_bias, h0 = ts
+        o, S = TC.chunk_kda(q, k, v, z, b, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                            lower_bound=-5.0, use_beta_sigmoid_in_kernel=True)
+        return (o, S, *torch.autograd.grad((o.float() * o_w).sum() + (S * s_w).sum(), ts))
+
+    plain = run(False)
+    assert len(recomputes) == (1 if bwd_chunk == 64 else 0)
+    kept = run(True)
+    assert len(recomputes) == (1 if bwd_chunk == 64 else 0)  # kept: none more (bwd16 keeps nothing)
+    for name, a, b in zip(("o", "S") + names, kept, plain):
+        assert torch.equal(a, b), name
+
+
+def test_keep_for_backward_needs_default_launches():
+    x = make_raw(T=20)
+    args = (x["q"], x["k"], x["v"], x["z"], torch.sigmoid(x["beta_raw"]))
+    kw = dict(use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"], keep_for_backward=True)
+    with pytest.raises(ValueError, match="default 64-token launches"):
+        TC.chunk_kda_fwd(*args, block_v=16, **kw)
+    with pytest.raises(ValueError, match="default 64-token launches"):
+        TC.chunk_kda_fwd(*args, chunk_size=16, **kw)
+    o, ht, kept = TC.chunk_kda_fwd(*args, output_final_state=True, **kw)
+    with pytest.raises(ValueError, match="64-token backward only"):
+        chunk_kda_bwd(*args, torch.randn_like(o), use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
+                      chunk_size=16, kept=kept)
