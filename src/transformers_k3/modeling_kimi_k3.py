@@ -24,6 +24,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+from transformers.utils import logging
 
 from k3_kernels import dispatch
 from k3_kernels.kda.reference import kda_gate
@@ -34,6 +35,8 @@ from .cache_kimi_k3 import KimiK3Cache
 from .cuda_graph import DecodeGraph
 from .conversion import experts_are_mxfp4, packed_expert_conversions
 from .configuration_kimi_k3 import FULL_ATTENTION, KimiK3Config, KimiK3TextConfig
+
+logger = logging.get_logger(__name__)
 
 # transformers renamed the cache keyword from `past_key_values` to `cache` (5.2x); speak whichever it speaks.
 CACHE_KWARG = (
@@ -394,7 +397,7 @@ class KimiK3TopkRouter(nn.Module):
 
 from contextvars import ContextVar  # noqa: E402  (experts only: the packed-load request below)
 
-from k3_kernels.mxfp4.reference import dequantize_mxfp4  # noqa: E402
+from k3_kernels.mxfp4.reference import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
 
 # Set by `KimiK3PreTrainedModel.from_pretrained` while it builds the model: "explicit" (keep_experts_packed=True),
 # "auto" (experts_implementation="k3_triton": packed if the checkpoint's experts are MXFP4) or None (dequantise).
@@ -456,6 +459,20 @@ class KimiK3Experts(nn.Module):
             raise RuntimeError(_NO_TRAINING_PACKED + "; or call model.eval() / torch.no_grad() for inference")
         if any(torch.nn.utils.parametrize.is_parametrized(self, name) for name in _PACKED_NAMES):
             raise RuntimeError(_NO_TRAINING_PACKED)
+
+    @torch.no_grad()
+    def holds_mxfp4_values(self) -> bool:
+        """Whether MXFP4 holds these experts exactly (packed ones, or 3-D ones as loaded from an MXFP4 checkpoint and
+        not changed since): what decides if saving may re-quantise them without loss. One expert at a time."""
+        if self.packed:
+            return True
+        for w in (self.gate_up_proj, self.down_proj):
+            if w.device.type == "meta":  # offloaded: the saver reads the checkpoint's own values
+                continue
+            for e in range(w.shape[0]):
+                if not torch.equal(dequantize_mxfp4(*quantize_mxfp4(w[e]), dtype=w.dtype), w[e]):
+                    return False
+        return True
 
     def _expert_weights(self, expert: int, dtype: torch.dtype):
         """`(gate_up [2I, D], down [D, I])` of one expert; packed ones dequantised (exact) to `dtype`."""
@@ -697,24 +714,46 @@ class KimiK3PreTrainedModel(PreTrainedModel):
                 current.data = original.to(current.device)
         return out
 
-    def save_pretrained(self, *args, **kwargs):
-        """Released layout when the config says the experts are MXFP4; otherwise the 3-D experts as they are.
+    def save_pretrained(self, *args, experts_format: str = "auto", **kwargs):
+        """The released layout (MXFP4 experts) when the config says the experts are MXFP4 and they still hold MXFP4
+        values; otherwise the 3-D experts as they are, unquantised.
 
-        Without this a model trained from scratch with no `quantization_config` would be quantised on save.
+        `experts_format`: "auto" (default) as just said. Re-quantising experts that training changed would throw
+        part of the update away (and make a resumed Trainer run differ), so "auto" saves them unquantised, drops the
+        MXFP4 block from the saved config and warns. "mxfp4" re-packs them whatever they hold (lossy after training);
+        "dense" saves them unquantised. Packed experts (`keep_experts_packed`) are always written back as the bytes
+        they hold. Without this override a model trained from scratch would be quantised on save.
         """
+        if experts_format not in ("auto", "mxfp4", "dense"):
+            raise ValueError(f"experts_format must be 'auto', 'mxfp4' or 'dense', got {experts_format!r}")
         text_config = self.config.get_text_config(decoder=True)
-        if experts_are_mxfp4(text_config):
+        experts = [m for m in self.modules() if isinstance(m, KimiK3Experts)]
+        packed = any(m.packed for m in experts)
+        mxfp4 = experts_are_mxfp4(text_config)
+        if packed and experts_format == "dense":
+            raise ValueError("experts_format='dense': these experts are MXFP4-packed (keep_experts_packed); load "
+                             "with keep_experts_packed=False to save them unquantised")
+        if mxfp4 and experts_format == "auto" and not packed and not all(m.holds_mxfp4_values() for m in experts):
+            logger.warning(
+                "Kimi K3: the routed experts no longer hold MXFP4 values (trained or edited since loading): saved "
+                "unquantised, with no MXFP4 block in the saved config; save_pretrained(..., experts_format='mxfp4') "
+                "re-packs them (lossy)"
+            )
+            experts_format = "dense"
+        if mxfp4 and experts_format != "dense":
             # Packed experts are written back as the bytes they hold (no re-quantisation), even for a model that
             # was not loaded by `from_pretrained` and so has no recorded conversions.
-            packed = any(getattr(m, "packed", False) for m in self.modules() if isinstance(m, KimiK3Experts))
             with packed_expert_conversions(active=packed):
                 return super().save_pretrained(*args, **kwargs)
         # An empty (not None) list tells transformers' saver there are no conversions to revert.
         saved = self.__dict__.get("_weight_conversions", None)
+        quant = text_config.checkpoint_quantization_config
         self._weight_conversions = []
+        text_config.checkpoint_quantization_config = None  # the saved config then says the experts are dense
         try:
             return super().save_pretrained(*args, **kwargs)
         finally:
+            text_config.checkpoint_quantization_config = quant
             if saved is None:
                 del self._weight_conversions
             else:

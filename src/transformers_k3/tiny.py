@@ -67,7 +67,7 @@ def write_tiny_checkpoint(path, seed: int = 0, dtype: torch.dtype = torch.bfloat
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.01)
     model.to(dtype)  # the precision-contract tensors stay fp32 (KimiK3PreTrainedModel._apply)
-    model.save_pretrained(path)
+    model.save_pretrained(path, experts_format="mxfp4")  # the released layout: random experts quantised
     return path
 
 
@@ -89,7 +89,7 @@ def save_small_checkpoint(model, out, *companions, max_mb: float | None = None) 
     out.mkdir(parents=True, exist_ok=True)
     model.config.get_text_config().kda_backend = "auto"
     model.to("cpu").to(torch.bfloat16)  # precision-contract tensors stay fp32 (KimiK3PreTrainedModel._apply)
-    model.save_pretrained(out)
+    model.save_pretrained(out, experts_format="mxfp4")  # the released layout: trained experts quantised
     for companion in companions:
         companion.save_pretrained(out)
     keys = []

@@ -61,6 +61,33 @@ def test_released_layout_round_trips_bit_for_bit(tmp_path, dtype):
     assert any(k.startswith("vision_tower.") for k in a) and any(k.startswith("mm_projector.") for k in a)
 
 
+def test_trained_experts_are_saved_unquantised(tmp_path, tiny_dir, caplog):
+    """Experts changed since loading (a fine-tune) no longer hold MXFP4 values: "auto" saves them unquantised and
+    says so, so the saved model is the trained one (and a resumed Trainer run the uninterrupted one); "mxfp4"
+    re-packs them on request."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    experts = model.language_model.model.layers[1].block_sparse_moe.experts
+    assert experts.holds_mxfp4_values()  # as loaded
+    with torch.no_grad():
+        experts.down_proj[2, 0, 0] += 1e-3
+    assert not experts.holds_mxfp4_values()
+    with caplog.at_level("WARNING"):
+        model.save_pretrained(tmp_path / "auto")
+    assert "no longer hold MXFP4 values" in caplog.text
+    raw = load_file(tmp_path / "auto" / "model.safetensors")
+    assert not any(k.endswith("weight_packed") for k in raw)
+    assert "quantization_config" not in json.dumps(json.load(open(tmp_path / "auto" / "config.json")))
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "auto", dtype=torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    assert model.config.text_config.checkpoint_quantization_config is not None  # the model's own config unchanged
+
+    model.save_pretrained(tmp_path / "mxfp4", experts_format="mxfp4")
+    raw = load_file(tmp_path / "mxfp4" / "model.safetensors")
+    assert any(k.endswith("weight_packed") for k in raw)
+    with pytest.raises(ValueError, match="experts_format"):
+        model.save_pretrained(tmp_path / "bad", experts_format="fp8")
+
+
 def test_causal_lm_alone_refuses_the_container_layout_loudly(tiny_dir):
     """Not mapped yet: the text model alone from the container must fail loudly, never half-load."""
     from transformers_k3 import KimiK3ForCausalLM
