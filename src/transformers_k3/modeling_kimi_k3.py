@@ -1381,6 +1381,9 @@ class KimiK3ForConditionalGeneration(_KimiK3GenerationMixin, KimiK3PreTrainedMod
     def get_output_embeddings(self):
         return self.language_model.get_output_embeddings()
 
+    def set_output_embeddings(self, value):  # resize_token_embeddings swaps the head through this
+        self.language_model.set_output_embeddings(value)
+
     def get_image_features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Per image, its projected features `[h * w / 4, text_hidden]`, in input order."""
         features = self.mm_projector(self.vision_tower(pixel_values, grid_thw))

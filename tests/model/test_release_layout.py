@@ -88,6 +88,21 @@ def test_trained_experts_are_saved_unquantised(tmp_path, tiny_dir, caplog):
         model.save_pretrained(tmp_path / "bad", experts_format="fp8")
 
 
+def test_resize_token_embeddings_on_the_container(tmp_path, tiny_dir):
+    """Adding tokens for a fine-tune: both tables grow, the text config follows, and the resized model saves and
+    loads back to the same logits."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    n = model.get_input_embeddings().weight.shape[0]
+    model.resize_token_embeddings(n + 7)
+    assert model.get_input_embeddings().weight.shape[0] == model.get_output_embeddings().weight.shape[0] == n + 7
+    assert model.config.text_config.vocab_size == n + 7
+    ids = torch.tensor([[n + 3, 1, 2, n + 6]])
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
 def test_causal_lm_alone_refuses_the_container_layout_loudly(tiny_dir):
     """Not mapped yet: the text model alone from the container must fail loudly, never half-load."""
     from transformers_k3 import KimiK3ForCausalLM
