@@ -460,12 +460,14 @@ def make_callback(deadline: float, history: list, tag: str):
     from transformers import TrainerCallback
 
     class BudgetAndLog(TrainerCallback):
-        """Stops at the wall-clock deadline; records Trainer's logged loss / grad_norm (every logging_steps)."""
+        """Stops at the wall-clock deadline; records Trainer's logged loss / grad_norm (every logging_steps, and at
+        the step that stops)."""
 
         def on_step_end(self, args, state, control, **kw):
             if time.monotonic() > deadline:
                 print(f"[{tag}] wall-clock budget reached at step {state.global_step}", flush=True)
                 control.should_training_stop = True
+                control.should_log = True  # the last step's loss, even when fewer than logging_steps ran
             return control
 
         def on_log(self, args, state, control, logs=None, **kw):
