@@ -144,10 +144,11 @@ class KimiK3DeltaAttention(nn.Module):
                     f"adapted or replaced (found {type(conv).__name__}); leave them out of target_modules"
                 )
             px = proj(x)  # [B, T, H*K]
-            y, s = dispatch.causal_conv1d(
-                px, conv.weight, initial_state=state, output_final_state=want_state, cu_seqlens=cu_seqlens,
-                backend=self.config.kda_backend,
-            )
+            with _weights_of(conv):
+                y, s = dispatch.causal_conv1d(
+                    px, conv.weight, initial_state=state, output_final_state=want_state, cu_seqlens=cu_seqlens,
+                    backend=self.config.kda_backend,
+                )
             qkv.append(y.view(B, T, H, K))  # [B, T, H, K]
             new_conv.append(s)
             pre_conv.append(px)
@@ -184,8 +185,9 @@ class KimiK3DeltaAttention(nn.Module):
             cache.update_kda_state(self.layer_idx, tuple(new_conv), final)
         gate = self.g_proj(x).view(B, T, H, K)
         if type(self.o_norm) is KimiK3RMSNorm:  # per-head RMSNorm in fp32 with the fp32 weight, then the gate
-            o = dispatch.gated_rms_norm(o, gate, self.o_norm.weight, self.o_norm.variance_epsilon,
-                                        backend=self.config.kda_backend)
+            with _weights_of(self.o_norm):
+                o = dispatch.gated_rms_norm(o, gate, self.o_norm.weight, self.o_norm.variance_epsilon,
+                                            backend=self.config.kda_backend)
         else:  # a replaced norm module keeps its own forward
             o = torch.sigmoid(gate) * self.o_norm(o.float()).to(x.dtype)
         return self.o_proj(o.reshape(B, T, H * K))
@@ -285,7 +287,8 @@ class KimiK3Attention(nn.Module):
     def _kv_b_weight(self) -> torch.Tensor:
         """The weight `kv_b_proj` applies, `[H * (dn + dv), r]`, also when it is wrapped (a LoRA adds its delta)."""
         if type(self.kv_b_proj) is nn.Linear:
-            return self.kv_b_proj.weight
+            with _weights_of(self.kv_b_proj):  # the loaded tensor outlives the hook's offloading of the module
+                return self.kv_b_proj.weight
         eye = torch.eye(self.kv_rank, device=self.kv_b_proj.weight.device, dtype=self.kv_b_proj.weight.dtype)
         return self.kv_b_proj(eye).T  # a linear map is its action on the basis
 
@@ -586,7 +589,8 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         self.mlp_res_proj = nn.Linear(d, 1, bias=False)
 
     def _mix(self, norm, proj, blocks, partial):
-        return dispatch.attn_res(blocks + [partial], proj.weight, norm.weight, norm.variance_epsilon)
+        with _weights_of(proj, norm):
+            return dispatch.attn_res(blocks + [partial], proj.weight, norm.weight, norm.variance_epsilon)
 
     def forward(self, partial, blocks, attention_mask=None, pad_mask=None, cache=None, cu_seqlens=None,
                 causal_only=False):
@@ -621,6 +625,21 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         else:
             partial = partial + self.mlp(normed)
         return partial, blocks
+
+
+@contextlib.contextmanager
+def _weights_of(*modules: nn.Module):
+    """Modules whose weights a fused op reads directly instead of calling the module: under accelerate's CPU or
+    disk offload (`device_map` entries "cpu" / "disk") a module's weights sit on the meta device until its own hook
+    loads them, which only a call to the module would do; run those hooks around the read (a no-op otherwise)."""
+    hooked = [(m, m._hf_hook) for m in modules if getattr(m, "_hf_hook", None) is not None]
+    for m, hook in hooked:
+        hook.pre_forward(m)
+    try:
+        yield
+    finally:
+        for m, hook in hooked:
+            hook.post_forward(m, None)
 
 
 def _on_device_of(x: torch.Tensor):
@@ -915,12 +934,12 @@ class KimiK3Model(KimiK3PreTrainedModel):
                                         causal_only=pad_mask is None and past == 0)
             if output_hidden_states:
                 hidden_states += (partial,)
-        w = self.output_attn_res_proj.weight
+        with _weights_of(self.output_attn_res_proj, self.output_attn_res_norm):
+            w, w_norm = self.output_attn_res_proj.weight, self.output_attn_res_norm.weight
         if partial.device != w.device:  # layers and the output mix on different GPUs (device_map)
             partial, blocks = partial.to(w.device), [b.to(w.device) for b in blocks]
         with _on_device_of(partial):
-            h = dispatch.attn_res(blocks + [partial], w, self.output_attn_res_norm.weight,
-                                  self.output_attn_res_norm.variance_epsilon)
+            h = dispatch.attn_res(blocks + [partial], w, w_norm, self.output_attn_res_norm.variance_epsilon)
         h = self.norm(h)
         return BaseModelOutputWithPast(last_hidden_state=h, hidden_states=hidden_states, **{CACHE_KWARG: cache})
 

@@ -236,3 +236,19 @@ def test_gradient_checkpointing_same_grads(lm):
         lm.gradient_checkpointing_disable()
         lm.zero_grad()
         lm.eval()
+
+
+@torch.no_grad()
+def test_offloaded_model_generates_the_same_tokens(tiny_dir, tiny_model, tmp_path):
+    """accelerate's offload (`device_map` entries "cpu" / "disk"): weights stay on the meta device until their
+    module's hook loads them, and the fused ops read some submodules' weights without calling them (AttnRes, the
+    KDA short convs and output norm, MLA's kv_b_proj); those reads run the hooks, so generate gives the tokens of
+    the model in memory."""
+    from transformers_k3 import KimiK3ForConditionalGeneration
+
+    x = ids(2, 9)
+    want = tiny_model.generate(x, max_new_tokens=4, do_sample=False)
+    model = KimiK3ForConditionalGeneration.from_pretrained(
+        tiny_dir, dtype=torch.float32, device_map="auto", max_memory={"cpu": "1MB"}, offload_folder=str(tmp_path))
+    assert {"cpu", "disk"} <= set(map(str, model.hf_device_map.values()))
+    assert torch.equal(model.generate(x, max_new_tokens=4, do_sample=False), want)
