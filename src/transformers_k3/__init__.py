@@ -17,6 +17,7 @@ from .modeling_kimi_k3 import (
 from .conversion import register_conversions
 from .image_processing_kimi_k3 import KimiK3ImageProcessor
 from .processing_kimi_k3 import KimiK3Processor
+from .tokenization_kimi_k3 import KimiK3Tokenizer
 
 AutoConfig.register(KimiK3Config.model_type, KimiK3Config)
 AutoConfig.register(KimiK3TextConfig.model_type, KimiK3TextConfig)
@@ -27,6 +28,10 @@ AutoModelForCausalLM.register(KimiK3TextConfig, KimiK3ForCausalLM)
 AutoModelForCausalLM.register(KimiK3Config, KimiK3ForConditionalGeneration)
 AutoModelForImageTextToText.register(KimiK3Config, KimiK3ForConditionalGeneration)
 register_conversions()
+# No AutoTokenizer registration, on purpose: the released tokenizer_config.json names a remote-code class, and with
+# a local class registered for the config transformers stops asking for remote code and converts tiktoken.model
+# with the generic GPT-4 pattern instead (silently different ids). Use KimiK3Tokenizer, or `k3 convert-tokenizer`
+# once, after which AutoTokenizer loads the saved tokenizer.json with plain transformers.
 # Processors: no remote code, so register them at import like the config and models.
 from transformers import AutoImageProcessor, AutoProcessor  # noqa: E402
 
@@ -45,5 +50,5 @@ __version__ = "0.1.0"
 __all__ = [
     "KimiK3Config", "KimiK3TextConfig", "KimiK3VisionConfig", "KimiK3ConfigError", "KimiK3Cache",
     "KimiK3Model", "KimiK3ForCausalLM", "KimiK3ForConditionalGeneration", "KimiK3PreTrainedModel",
-    "KimiK3ImageProcessor", "KimiK3Processor",
+    "KimiK3ImageProcessor", "KimiK3Processor", "KimiK3Tokenizer",
 ]

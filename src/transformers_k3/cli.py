@@ -4,6 +4,8 @@
     k3 generate PROMPT [--model DIR] [--max-new-tokens N] [--do-sample --temperature T --top-k K --top-p P]
                                  stream a continuation to stdout, token by token; without --model it runs the
                                  embedded small K3 trained from scratch (`transformers_k3/embedded/`)
+    k3 convert-tokenizer SRC DST write the released tokenizer (tiktoken.model) as tokenizer.json, which loads
+                                 with plain transformers
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def _generate(args) -> int:
     import torch
     from transformers import AutoModelForCausalLM, TextStreamer
 
-    import transformers_k3  # noqa: F401  (registers the Auto classes)
+    import transformers_k3  # registers the Auto classes
 
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
@@ -41,12 +43,10 @@ def _generate(args) -> int:
     model_dir = Path(args.model) if args.model is not None else embedded_model_dir()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = None
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except Exception:  # noqa: BLE001  (a random checkpoint from `write-tiny` has no tokenizer)
-        pass
+    if any((model_dir / name).is_file() for name in ("tokenizer.json", "tiktoken.model")):
+        # Not AutoTokenizer: a released directory names a remote-code class, and this converts its tiktoken.model.
+        tokenizer = transformers_k3.KimiK3Tokenizer.from_pretrained(model_dir)
+    # else: a random checkpoint from `write-tiny`, which has no tokenizer
     vocab = model.config.get_text_config(decoder=True).vocab_size
     if tokenizer is not None:
         ids = tokenizer(args.prompt, add_special_tokens=False).input_ids
@@ -95,7 +95,16 @@ def main(argv=None) -> int:
     g.add_argument("--top-k", type=int, default=50)
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--seed", type=int, default=0, help="sampling seed")
+    c = sub.add_parser("convert-tokenizer", help="write tokenizer.json for a released tiktoken.model directory")
+    c.add_argument("source", help="directory (or hub id) with tiktoken.model and tokenizer_config.json")
+    c.add_argument("destination")
     args = parser.parse_args(argv)
+    if args.command == "convert-tokenizer":
+        from transformers_k3.tokenization_kimi_k3 import convert_tiktoken_directory
+
+        tokenizer = convert_tiktoken_directory(args.source, args.destination)
+        print(f"[k3] wrote {args.destination}: {len(tokenizer)} tokens, loads with AutoTokenizer and no remote code")
+        return 0
     if args.command == "write-tiny":
         from transformers_k3.tiny import write_tiny_checkpoint
 
