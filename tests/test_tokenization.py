@@ -120,6 +120,24 @@ def test_special_block_and_roles(small_ranks, small_dir):
     assert tok.decode(ids, skip_special_tokens=True) == "hello 中文"
 
 
+def test_chat_template(small_dir, tmp_path):
+    """Without a template in the checkpoint, the package's K3 chat format (processing_kimi_k3); with one, that one."""
+    from transformers_k3.processing_kimi_k3 import DEFAULT_CHAT_TEMPLATE
+
+    messages = [{"role": "user", "content": "hi"}]
+    tok = KimiK3Tokenizer.from_pretrained(small_dir)
+    assert tok.chat_template == DEFAULT_CHAT_TEMPLATE
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "<|open|>user<|sep|>hi<|end_of_msg|><|open|>assistant<|sep|>"
+    own = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    config_file = os.path.join(small_dir, "tokenizer_config.json")
+    with open(config_file) as f:
+        tok_config = json.load(f)
+    (tmp_path / "tiktoken.model").write_bytes(open(os.path.join(small_dir, "tiktoken.model"), "rb").read())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**tok_config, "chat_template": own}))
+    assert KimiK3Tokenizer.from_pretrained(tmp_path).apply_chat_template(messages, tokenize=False) == "[hi]"
+
+
 def test_save_reload_and_plain_transformers(small_dir, tmp_path):
     tok = KimiK3Tokenizer.from_pretrained(small_dir)
     out = tmp_path / "saved"
