@@ -118,10 +118,6 @@ class KimiK3Tokenizer(TokenizersBackend):
         for role, token in _DEFAULT_ROLES.items():
             if local_kwargs.get(role) is None and token in names:
                 local_kwargs[role] = token
-        if local_kwargs.get("chat_template") is None:  # the checkpoint's own template, where it has one, wins
-            from .processing_kimi_k3 import DEFAULT_CHAT_TEMPLATE
-
-            local_kwargs["chat_template"] = DEFAULT_CHAT_TEMPLATE
         return local_kwargs
 
     @classmethod
@@ -131,6 +127,10 @@ class KimiK3Tokenizer(TokenizersBackend):
         # directory ask for remote code again) and the path of the file converted.
         for key in ("auto_map", "vocab_file"):
             tokenizer.init_kwargs.pop(key, None)
+        if tokenizer.chat_template is None:  # the checkpoint's own template, where it has one, wins
+            from .processing_kimi_k3 import DEFAULT_CHAT_TEMPLATE
+
+            tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
         return tokenizer
 
 
