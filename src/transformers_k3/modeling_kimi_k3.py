@@ -1067,6 +1067,37 @@ class KimiK3ForCausalLM(_KimiK3GenerationMixin, KimiK3PreTrainedModel, Generatio
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """As `KimiK3PreTrainedModel.from_pretrained`; a released (container) directory loads too, as its language
+        model: the container loads (MXFP4 conversion, strictness and all) and its `language_model` is returned,
+        the vision side dropped (under 0.1 % of the release's weights). A `device_map` dict names text-model
+        modules, as for a text-only checkpoint; the vision side goes where the embeddings go."""
+        config = kwargs.get("config")
+        if config is None and pretrained_model_name_or_path is not None:
+            from transformers import AutoConfig
+
+            hub = {k: kwargs[k] for k in ("cache_dir", "force_download", "local_files_only", "token", "revision",
+                                          "subfolder", "trust_remote_code") if k in kwargs}
+            config = AutoConfig.from_pretrained(pretrained_model_name_or_path, **hub)
+        if not isinstance(config, KimiK3Config):
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        device_map = kwargs.get("device_map")
+        if isinstance(device_map, dict):
+            first = device_map.get("model.embed_tokens", device_map.get("", next(iter(device_map.values()), "cpu")))
+            kwargs["device_map"] = {"vision_tower": first, "mm_projector": first, **{
+                f"language_model.{name}" if name else "language_model": where for name, where in device_map.items()}}
+        want_info = kwargs.pop("output_loading_info", False)
+        container, info = KimiK3ForConditionalGeneration.from_pretrained(
+            pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
+        model = container.language_model
+        model.generation_config = container.generation_config
+        if hasattr(container, "hf_device_map"):
+            model.hf_device_map = {name.removeprefix("language_model").removeprefix("."): where
+                                   for name, where in container.hf_device_map.items()
+                                   if name == "language_model" or name.startswith("language_model.")}
+        return (model, info) if want_info else model
+
     def get_input_embeddings(self):
         return self.model.embed_tokens
 

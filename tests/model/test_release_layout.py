@@ -103,12 +103,25 @@ def test_resize_token_embeddings_on_the_container(tmp_path, tiny_dir):
         assert torch.equal(again(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
-def test_causal_lm_alone_refuses_the_container_layout_loudly(tiny_dir):
-    """Not mapped yet: the text model alone from the container must fail loudly, never half-load."""
-    from transformers_k3 import KimiK3ForCausalLM
+def test_causal_lm_alone_from_the_container(tiny_dir, tiny_model, tmp_path):
+    """KimiK3ForCausalLM.from_pretrained on the released layout gives the container's language model (the same
+    logits), saves text-only and reloads; a checkpoint missing a tensor still fails loudly."""
+    from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
 
-    with pytest.raises(ValueError, match="missing tensors"):
-        KimiK3ForCausalLM.from_pretrained(tiny_dir)
+    lm = KimiK3ForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    assert type(lm) is KimiK3ForCausalLM and isinstance(lm.config, KimiK3TextConfig)
+    assert lm.generation_config.eos_token_id == tiny_model.generation_config.eos_token_id
+    ids = torch.randint(0, 500, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = tiny_model(input_ids=ids).logits
+        assert torch.equal(lm(input_ids=ids).logits, expected)
+    lm.save_pretrained(tmp_path / "text_only")
+    again = KimiK3ForCausalLM.from_pretrained(tmp_path / "text_only", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids).logits, expected)
+    _tamper(tiny_dir, tmp_path / "broken", lambda t: t.pop("language_model.model.layers.0.self_attn.q_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing tensors.*layers\.0\.self_attn\.q_proj"):
+        KimiK3ForCausalLM.from_pretrained(tmp_path / "broken")
 
 
 def test_unquantized_config_saves_experts_unconverted(tmp_path):
