@@ -31,6 +31,7 @@ from k3_kernels.kda.reference import kda_gate
 from k3_kernels.mla.reference import mla_absorbed_attention
 from k3_kernels.situ.reference import situ_glu
 
+from . import context_parallel
 from .cache_kimi_k3 import KimiK3Cache
 from .cuda_graph import DecodeGraph
 from .conversion import experts_are_mxfp4, packed_expert_conversions
@@ -132,6 +133,9 @@ class KimiK3DeltaAttention(nn.Module):
         conv_states, recurrent = cache.get_kda_state(self.layer_idx) if cache is not None else (None, None)
         conv_states = conv_states or (None, None, None)
         want_state = cache is not None
+        cp = context_parallel.context_parallel_group()  # a segment of a sequence split across ranks (SPEC 7)
+        if cp is not None:
+            context_parallel.check_segment(T, self.conv_size - 1, "the short conv", cp)
         qkv, new_conv, pre_conv = [], [], []
         for proj, conv, state in zip(
             (self.q_proj, self.k_proj, self.v_proj), (self.q_conv1d, self.k_conv1d, self.v_conv1d), conv_states
@@ -144,6 +148,8 @@ class KimiK3DeltaAttention(nn.Module):
                     f"adapted or replaced (found {type(conv).__name__}); leave them out of target_modules"
                 )
             px = proj(x)  # [B, T, H*K]
+            if cp is not None:  # the conv reads the previous segment's last inputs
+                state = context_parallel.conv_halo(px, self.conv_size - 1, cp)
             with _weights_of(conv):
                 y, s = dispatch.causal_conv1d(
                     px, conv.weight, initial_state=state, output_final_state=want_state, cu_seqlens=cu_seqlens,
@@ -178,7 +184,10 @@ class KimiK3DeltaAttention(nn.Module):
             q, k, v, g, beta = (t[:, split:] for t in (q, k, v, g, beta))
             cache.save_rollback(self.layer_idx, tuple(conv_before), None if recurrent is None else recurrent.clone(),
                                 tuple(px[:, split:] for px in pre_conv), (q, k, v, g, beta))
-        o, final = self._recurrence(ops, q, k, v, g, beta, recurrent, want_state, cu_seqlens)
+        if cp is not None:
+            o, final = context_parallel.kda(ops[0], q, k, v, g, beta, cp, use_qk_l2norm_in_kernel=True), None
+        else:
+            o, final = self._recurrence(ops, q, k, v, g, beta, recurrent, want_state, cu_seqlens)
         if head is not None:
             o = torch.cat([head, o], dim=1)  # [B, T, H, V]
         if cache is not None:
@@ -324,6 +333,9 @@ class KimiK3Attention(nn.Module):
             if cache is not None:  # a long prefill chunk: expand the whole cached latent, prefix included
                 latent = cache.update_latent(self.layer_idx, torch.cat([c, k_pe], dim=-1), key_valid)  # [B, L, r + dr]
                 c, k_pe = latent.to(x.dtype).split([self.kv_rank, self.rope_dim], dim=-1)
+            elif (cp := context_parallel.context_parallel_group()) is not None:  # every segment's latents (SPEC 7)
+                latent, attention_mask = context_parallel.mla_latents(torch.cat([c, k_pe], dim=-1), cp)
+                c, k_pe = latent.split([self.kv_rank, self.rope_dim], dim=-1)  # [B, L, r], [B, L, dr]
             L = c.shape[1]
             kv = self.kv_b_proj(c).view(B, L, H, self.nope_dim + self.v_dim)
             k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
@@ -897,9 +909,11 @@ class KimiK3Model(KimiK3PreTrainedModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        cp = context_parallel.context_parallel_group()
         if use_cache is None:
-            # As in transformers: a cache by default at inference; none while training (nothing reads it).
-            use_cache = self.config.use_cache and not self.training
+            # As in transformers: a cache by default at inference; none while training (nothing reads it), nor for
+            # a segment of a sequence split across ranks (context parallel).
+            use_cache = self.config.use_cache and not self.training and cp is None
         if self.gradient_checkpointing and self.training:
             use_cache = False  # checkpointed layers re-run their forward: a state must never advance twice
         if not use_cache:
@@ -908,6 +922,12 @@ class KimiK3Model(KimiK3PreTrainedModel):
             raise TypeError(f"Kimi K3 needs a KimiK3Cache, got {type(cache).__name__}")
         if cu_seqlens is None:
             cu_seqlens = kwargs.pop("cu_seq_lens_q", None)
+        if cp is not None:
+            padded = attention_mask is not None and not bool(attention_mask.all())
+            if use_cache or cu_seqlens is not None or padded:
+                raise ValueError("context parallel runs whole unpadded sequences without a cache: pass "
+                                 "use_cache=False, no padding and no packed sequences")
+            attention_mask = position_ids = None  # NoPE: positions only mark packing, which a segment cannot hold
         B, T, _ = inputs_embeds.shape
         if cache is not None:
             cache.check_batch(B)
@@ -1134,7 +1154,7 @@ class KimiK3ForCausalLM(_KimiK3GenerationMixin, KimiK3PreTrainedModel, Generatio
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(h[:, keep, :])
         loss = None
-        if labels is not None:
+        if labels is not None or kwargs.get("shift_labels") is not None:  # shift_labels: already the next tokens
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states,

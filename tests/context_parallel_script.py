@@ -1,0 +1,67 @@
+"""One rank of `test_context_parallel.py`: `torchrun --nproc_per_node N context_parallel_script.py CKPT T OUT`.
+
+Every rank builds the same two rows of N * T tokens and runs them whole (the reference), then runs its own segment
+of T tokens under `context_parallel`. It writes OUT/rank{RANK}.json: the largest relative difference of its
+segment's logits, of the loss, and of every parameter gradient (summed over the ranks) to the reference's."""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from transformers_k3 import KimiK3ForConditionalGeneration
+from transformers_k3.context_parallel import context_parallel
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+def main(path, T, out):
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lm = KimiK3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).language_model.train()
+    ids = torch.randint(0, 500, (2, world * T), generator=torch.Generator().manual_seed(0))
+    shift = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)  # the next token, over the whole sequence
+    n_items = int((shift != -100).sum())  # one normaliser for the whole sequence: the ranks' losses then add up
+
+    full = lm(input_ids=ids, shift_labels=shift, num_items_in_batch=n_items, use_cache=False)
+    full.loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
+    lm.zero_grad()
+
+    seg = slice(rank * T, (rank + 1) * T)
+    with context_parallel():
+        part = lm(input_ids=ids[:, seg], shift_labels=shift[:, seg].contiguous(), num_items_in_batch=n_items)
+        part.loss.backward()
+    loss = part.loss.detach().clone()
+    dist.all_reduce(loss)
+    grad_err = {}
+    for n, p in lm.named_parameters():
+        if n in ref_grads:
+            g = p.grad.clone()
+            dist.all_reduce(g)  # each rank holds its segment's share of the gradient
+            grad_err[n] = rel_err(g, ref_grads[n])
+    # What a segment cannot serve raises the same error on every rank (no rank is left waiting in a collective).
+    refused = {}
+    with context_parallel(), torch.no_grad():
+        for name, kwargs in {
+            "cache": dict(input_ids=ids[:, seg], use_cache=True),
+            "padding": dict(input_ids=ids[:, seg], attention_mask=torch.ones(2, T).index_fill_(1, torch.tensor([0]), 0)),
+            "unequal segments": dict(input_ids=ids[:, seg][:, : T - rank]),
+        }.items():
+            try:
+                lm(**kwargs)
+                refused[name] = None
+            except ValueError as e:
+                refused[name] = str(e)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"logits": rel_err(part.logits, full.logits[:, seg]), "loss": rel_err(loss, full.loss.detach()),
+                   "grads": grad_err, "n_params": len(ref_grads), "refused": refused}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
