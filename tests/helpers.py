@@ -17,3 +17,12 @@ def load_example(name: str):
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
     return sys.modules[name]
+
+
+def free_port() -> int:
+    """A free local TCP port for torchrun's rendezvous (its --master_port 0 is not one the ranks can share)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -7,13 +7,13 @@ Without the state carried across segments the logits are off by O(1) (checked wh
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from helpers import free_port
 from transformers_k3.context_parallel import context_parallel
 from transformers_k3.tiny import write_tiny_checkpoint
 
@@ -25,18 +25,12 @@ def ckpt(tmp_path_factory):
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:  # torchrun's --master_port 0 is not a free port for the ranks' rendezvous
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("world, T", [(2, 21), (3, 21), (2, 70)], ids=["2x21", "3x21", "2x70"])
 def test_segments_match_the_whole_sequence(ckpt, world, T, tmp_path):
     script = os.path.join(os.path.dirname(__file__), "context_parallel_script.py")
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
-         str(_free_port()), script, str(ckpt), str(T), str(tmp_path)],
+         str(free_port()), script, str(ckpt), str(T), str(tmp_path)],
         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1"), capture_output=True, text=True, timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]

@@ -322,11 +322,9 @@ def test_trainer_ddp_two_ranks(ckpt, which, tmp_path):
     import subprocess
     import sys
 
-    import socket
+    from helpers import free_port
 
-    with socket.socket() as sock:  # torchrun's --master_port 0 is not a free port for the ranks' rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     script = os.path.join(os.path.dirname(__file__), "ddp_trainer_script.py")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1")
     run = subprocess.run(
