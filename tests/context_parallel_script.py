@@ -1,4 +1,5 @@
-"""One rank of `test_context_parallel.py`: `torchrun --nproc_per_node N context_parallel_script.py CKPT T OUT`.
+"""One rank of `test_context_parallel.py`:
+`torchrun --nproc_per_node N context_parallel_script.py CKPT T OUT [checkpointing]`.
 
 Every rank builds the same two rows of N * T tokens and runs them whole (the reference), then runs its own segment
 of T tokens under `context_parallel`. It writes OUT/rank{RANK}.json: the largest relative difference of its
@@ -19,10 +20,12 @@ def rel_err(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
 
 
-def main(path, T, out):
+def main(path, T, out, checkpointing=False):
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     lm = KimiK3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).language_model.train()
+    if checkpointing:  # the backward then re-runs each layer's forward, collectives included, inside the block
+        lm.gradient_checkpointing_enable()
     ids = torch.randint(0, 500, (2, world * T), generator=torch.Generator().manual_seed(0))
     shift = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)  # the next token, over the whole sequence
     n_items = int((shift != -100).sum())  # one normaliser for the whole sequence: the ranks' losses then add up
@@ -64,4 +67,4 @@ def main(path, T, out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], checkpointing=sys.argv[4:] == ["checkpointing"])

@@ -25,12 +25,13 @@ def ckpt(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("world, T", [(2, 21), (3, 21), (2, 70)], ids=["2x21", "3x21", "2x70"])
-def test_segments_match_the_whole_sequence(ckpt, world, T, tmp_path):
+@pytest.mark.parametrize("world, T, extra", [(2, 21, []), (3, 21, []), (2, 70, []), (2, 21, ["checkpointing"])],
+                         ids=["2x21", "3x21", "2x70", "2x21-gradient-checkpointing"])
+def test_segments_match_the_whole_sequence(ckpt, world, T, extra, tmp_path):
     script = os.path.join(os.path.dirname(__file__), "context_parallel_script.py")
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
-         str(free_port()), script, str(ckpt), str(T), str(tmp_path)],
+         str(free_port()), script, str(ckpt), str(T), str(tmp_path), *extra],
         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1"), capture_output=True, text=True, timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
