@@ -49,6 +49,7 @@ def main(path, T, out, checkpointing=False):
             grad_err[n] = rel_err(g, ref_grads[n])
     # What a segment cannot serve raises the same error on every rank (no rank is left waiting in a collective).
     refused = {}
+    lm.eval()  # a cache is asked for at inference (training with checkpointing drops it, as transformers does)
     with context_parallel(), torch.no_grad():
         for name, kwargs in {
             "cache": dict(input_ids=ids[:, seg], use_cache=True),
