@@ -70,14 +70,16 @@ def _pick(tensors: list[torch.Tensor], group) -> torch.Tensor:
     return torch.stack(tensors).index_select(0, index)[0]
 
 
-def check_segment(T: int, min_tokens: int, what: str, group) -> None:
-    sizes = [torch.zeros((), dtype=torch.long) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, torch.tensor(T, dtype=torch.long), group=group)
+def check_segment(T: int, min_tokens: int, group, device) -> None:
+    """Every rank holds T tokens, at least `min_tokens` (the short convs' reach back); the same error everywhere.
+    `device`: where the group's collectives run (NCCL takes CUDA tensors only)."""
+    sizes = [torch.zeros((), dtype=torch.long, device=device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, torch.tensor(T, dtype=torch.long, device=device), group=group)
     if len({int(s) for s in sizes}) != 1:
         raise ValueError(f"context parallel: every rank must hold the same number of tokens, got "
                          f"{[int(s) for s in sizes]}")
     if T < min_tokens:
-        raise ValueError(f"context parallel: {what} needs at least {min_tokens} tokens a segment, got {T}")
+        raise ValueError(f"context parallel: the short convs need at least {min_tokens} tokens a segment, got {T}")
 
 
 def conv_halo(x: torch.Tensor, width: int, group) -> torch.Tensor:

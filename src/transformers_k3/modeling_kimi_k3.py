@@ -134,8 +134,6 @@ class KimiK3DeltaAttention(nn.Module):
         conv_states = conv_states or (None, None, None)
         want_state = cache is not None
         cp = context_parallel.context_parallel_group()  # a segment of a sequence split across ranks (SPEC 7)
-        if cp is not None:
-            context_parallel.check_segment(T, self.conv_size - 1, "the short conv", cp)
         qkv, new_conv, pre_conv = [], [], []
         for proj, conv, state in zip(
             (self.q_proj, self.k_proj, self.v_proj), (self.q_conv1d, self.k_conv1d, self.v_conv1d), conv_states
@@ -928,6 +926,8 @@ class KimiK3Model(KimiK3PreTrainedModel):
                 raise ValueError("context parallel runs whole unpadded sequences without a cache: pass "
                                  "use_cache=False, no padding and no packed sequences")
             attention_mask = position_ids = None  # NoPE: positions only mark packing, which a segment cannot hold
+            context_parallel.check_segment(inputs_embeds.shape[1], self.config.linear_conv_kernel_size - 1, cp,
+                                            inputs_embeds.device)
         B, T, _ = inputs_embeds.shape
         if cache is not None:
             cache.check_batch(B)
