@@ -53,7 +53,7 @@ def main(path, T, out, checkpointing=False):
     with context_parallel(), torch.no_grad():
         for name, kwargs in {
             "cache": dict(input_ids=ids[:, seg], use_cache=True),
-            "padding": dict(input_ids=ids[:, seg], attention_mask=torch.ones(2, T).index_fill_(1, torch.tensor([0]), 0)),
+            "padding": dict(input_ids=ids[:, seg], attention_mask=torch.ones(2, T).index_fill_(1, torch.tensor(0), 0)),
             "unequal segments": dict(input_ids=ids[:, seg][:, : T - rank]),
         }.items():
             try:

@@ -214,7 +214,8 @@ def test_released_vocabulary_matches_spec_and_tiktoken(released_ranks, tmp_path)
     assert tok("Hello world", add_special_tokens=False).input_ids == [19180, 2695]  # SPEC 8's golden encoding
     enc = tiktoken.Encoding("k3", pat_str=KIMI_K3_PATTERN, mergeable_ranks=read_tiktoken_ranks(path),
                             special_tokens={})
-    texts = random_texts(300, seed=11) + ["你好世界", "中文English混合", "I'M HERE it's", "def fibonacci(n):\n    return"]
+    texts = random_texts(300, seed=11) + ["你好世界", "中文English混合", "I'M HERE it's",
+                                          "def fibonacci(n):\n    return"]
     mismatches = [t for t in texts if tok(t, add_special_tokens=False).input_ids != enc.encode(t)]
     assert not mismatches, f"{len(mismatches)} of {len(texts)} differ, e.g. {mismatches[:3]!r}"
     # transformers' generic tiktoken conversion (GPT-4 pattern) differs, here on a contraction after a capital

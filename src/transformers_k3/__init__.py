@@ -7,7 +7,7 @@ released checkpoint's weight conversions (MXFP4 routed experts). It needs no GPU
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from .configuration_kimi_k3 import KimiK3Config, KimiK3ConfigError, KimiK3TextConfig, KimiK3VisionConfig
-from .cache_kimi_k3 import KimiK3Cache
+from .cache_kimi_k3 import KimiK3Cache, KimiK3PrefixStore
 from .modeling_kimi_k3 import (
     KimiK3ForCausalLM,
     KimiK3ForConditionalGeneration,
@@ -48,7 +48,7 @@ except ImportError:  # some transformers versions refuse the registration withou
 
 __version__ = "0.1.0"
 __all__ = [
-    "KimiK3Config", "KimiK3TextConfig", "KimiK3VisionConfig", "KimiK3ConfigError", "KimiK3Cache",
+    "KimiK3Config", "KimiK3TextConfig", "KimiK3VisionConfig", "KimiK3ConfigError", "KimiK3Cache", "KimiK3PrefixStore",
     "KimiK3Model", "KimiK3ForCausalLM", "KimiK3ForConditionalGeneration", "KimiK3PreTrainedModel",
     "KimiK3ImageProcessor", "KimiK3Processor", "KimiK3Tokenizer",
 ]

@@ -24,8 +24,8 @@ place. Nothing in a decode step then depends on a host-side length, so the step 
 graph and replayed (`cuda_graph.DecodeGraph`; generate does so on CUDA with `attn_implementation="k3_mla_paged"`).
 Static caches cannot be cropped back across rollback windows, reordered (beam search) or grown past N: those raise.
 
-Not yet: prefix reuse across requests (needs KDA state snapshots at block boundaries; `snapshot_kda` /
-`restore_kda` are the state half of it).
+Prefix reuse across calls: `KimiK3PrefixStore` (below) keeps each generate call's cache for the next prompt that
+starts with its tokens (multi-turn chat).
 """
 
 from __future__ import annotations
@@ -382,4 +382,67 @@ class KimiK3Cache(Cache):
         return {"mla": mla, "kda": kda}
 
 
-__all__ = ["KimiK3Cache"]
+class KimiK3PrefixStore:
+    """Reuse what earlier `generate` calls computed (SPEC 7's prefix caching, within one process).
+
+    A multi-turn chat re-sends the whole conversation each turn, which would be prefilled again every time. The
+    store keeps each call's cache keyed by the tokens it holds (the prompt and every generated token but the last,
+    which was never fed); a later prompt that starts with stored tokens gets a copy of that cache, so only the rest
+    is prefilled (bit for bit the same output: tested). KDA states can only resume where they were kept, so an
+    entry is a whole processed sequence (a turn's end), and a hit is the longest stored prefix of the prompt.
+    Entries are compared token by token (a handful of conversations; a serving engine would hash 512-token blocks)
+    and evicted least recently used beyond `max_entries` (each holds a cache: MLA latents and KDA states).
+
+        store = KimiK3PrefixStore()
+        out = store.generate(model, input_ids, max_new_tokens=256)   # as model.generate, one row
+
+    Not with a static cache, assisted decoding or several rows (those raise).
+    """
+
+    def __init__(self, max_entries: int = 4):
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
+            raise ValueError(f"max_entries must be a positive int, got {max_entries!r}")
+        self.max_entries = max_entries
+        self._entries: dict[tuple[int, ...], KimiK3Cache] = {}  # insertion order = least recently used first
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, ids: list[int]) -> tuple[KimiK3Cache | None, int]:
+        """(a copy of the cache of the longest stored prefix of `ids` shorter than `ids`, its length), or (None, 0)."""
+        import copy
+
+        best = max((key for key in self._entries if len(key) < len(ids) and tuple(ids[: len(key)]) == key),
+                   key=len, default=None)
+        if best is None:
+            return None, 0
+        self._entries[best] = self._entries.pop(best)  # most recently used
+        return copy.deepcopy(self._entries[best]), len(best)
+
+    def generate(self, model, input_ids: torch.Tensor, **kwargs):
+        from .modeling_kimi_k3 import CACHE_KWARG
+
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"KimiK3PrefixStore.generate takes one row of input_ids, got {tuple(input_ids.shape)}")
+        supplied = [k for k in ("past_key_values", "cache", "cache_implementation", "assistant_model",
+                                "prompt_lookup_num_tokens") if kwargs.get(k) is not None]
+        if supplied:
+            raise ValueError(f"KimiK3PrefixStore.generate supplies the cache itself; it does not take {supplied}")
+        if kwargs.get("num_beams", 1) != 1 or kwargs.get("num_return_sequences", 1) != 1:
+            raise ValueError("KimiK3PrefixStore.generate produces one sequence (num_beams = num_return_sequences = 1)")
+        want_dict = kwargs.pop("return_dict_in_generate", False)
+        cache, _ = self.lookup(input_ids[0].tolist())
+        if cache is not None:
+            kwargs[CACHE_KWARG] = cache
+        out = model.generate(input_ids, return_dict_in_generate=True, **kwargs)
+        key = tuple(out.sequences[0, :-1].tolist())
+        self._entries.pop(key, None)
+        # The output's field follows the keyword's rename (`past_key_values` -> `cache`), not always in step.
+        returned = getattr(out, "cache", None)
+        self._entries[key] = returned if returned is not None else out.past_key_values
+        while len(self._entries) > self.max_entries:
+            self._entries.pop(next(iter(self._entries)))
+        return out if want_dict else out.sequences
+
+
+__all__ = ["KimiK3Cache", "KimiK3PrefixStore"]
