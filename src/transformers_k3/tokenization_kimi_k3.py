@@ -1,7 +1,7 @@
 """Kimi K3's tokenizer without remote code: the released `tiktoken.model` as a `tokenizers` byte-level BPE.
 
 The release ships its vocabulary as `tiktoken.model` (163,584 ranks, one `base64(token bytes) rank` line each;
-K2's file, unchanged) and names the 256 special ids above it (163584..163839) in `tokenizer_config.json`'s
+by a port's account K2's file, unchanged) and names the 256 special ids above it (163584..163839) in `tokenizer_config.json`'s
 `added_tokens_decoder`; its own Python class needs `trust_remote_code`. A tiktoken vocabulary is a byte-level
 BPE whose merges follow from the ranks, and transformers' `TikTokenConverter` rebuilds them. What is Kimi's own
 is the pre-tokenisation pattern (`KIMI_K3_PATTERN`): a run of Han characters is a piece of its own, and Han is
@@ -28,8 +28,9 @@ from transformers.convert_slow_tokenizer import TikTokenConverter
 TIKTOKEN_FILE = "tiktoken.model"
 NUM_SPECIAL_IDS = 256  # the release reserves 163584..163839, named or not
 
-# The release's `pat_str`, one alternative a line. `&&[^\p{Han}]` is class intersection (Oniguruma and tiktoken's
-# regex engine both support it).
+# Kimi's `pat_str` (Moonshot's tokenization_kimi.py since K2; the reference files of K3 do not include the tokenizer,
+# and the test on the released vocabulary checks SPEC 8's golden ids with it), one alternative a line.
+# `&&[^\p{Han}]` is class intersection (Oniguruma and tiktoken's regex engine both support it).
 _LETTERS_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
 _LETTERS_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
 _CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
