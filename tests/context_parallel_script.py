@@ -3,7 +3,9 @@
 
 Every rank builds the same two rows of N * T tokens and runs them whole (the reference), then runs its own segment
 of T tokens under `context_parallel`. It writes OUT/rank{RANK}.json: the largest relative difference of its
-segment's logits, of the loss, and of every parameter gradient (summed over the ranks) to the reference's."""
+segment's logits, of the loss, and of every parameter gradient (summed over the ranks) to the reference's; then
+how decoding alone from the cache the ranks prefilled together compares with generating from the whole prompt;
+then which bad calls raised what."""
 
 import json
 import os
@@ -13,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from transformers_k3 import KimiK3ForConditionalGeneration
+from transformers_k3.modeling_kimi_k3 import CACHE_KWARG
 from transformers_k3.context_parallel import context_parallel
 
 
@@ -47,12 +50,25 @@ def main(path, T, out, checkpointing=False):
             g = p.grad.clone()
             dist.all_reduce(g)  # each rank holds its segment's share of the gradient
             grad_err[n] = rel_err(g, ref_grads[n])
+    # Prefill across the ranks, then decode alone: every rank holds the whole sequence's cache.
+    lm.eval()
+    more = torch.randint(0, 500, (2, 5), generator=torch.Generator().manual_seed(1))
+    with context_parallel(), torch.no_grad():
+        prefilled = getattr(lm(input_ids=ids[:, seg], use_cache=True), CACHE_KWARG)
+    cache_len = prefilled.get_seq_length()
+    with torch.no_grad():
+        gen = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        alone = lm.generate(torch.cat([ids, more], 1), **{CACHE_KWARG: prefilled}, **gen)
+        whole = lm.generate(torch.cat([ids, more], 1), **gen)
+        used = getattr(lm(input_ids=ids[:, :4], use_cache=True), CACHE_KWARG)  # a cache that holds tokens
+    decode = {"cache_len": cache_len, "same_tokens": bool(torch.equal(alone.sequences, whole.sequences)),
+              "logits": max(rel_err(a, b) for a, b in zip(alone.logits, whole.logits))}
+
     # What a segment cannot serve raises the same error on every rank (no rank is left waiting in a collective).
     refused = {}
-    lm.eval()  # a cache is asked for at inference (training with checkpointing drops it, as transformers does)
     with context_parallel(), torch.no_grad():
         for name, kwargs in {
-            "cache": dict(input_ids=ids[:, seg], use_cache=True),
+            "used cache": dict(input_ids=ids[:, seg], **{CACHE_KWARG: used}),
             "padding": dict(input_ids=ids[:, seg], attention_mask=torch.ones(2, T).index_fill_(1, torch.tensor(0), 0)),
             "unequal segments": dict(input_ids=ids[:, seg][:, : T - rank]),
         }.items():
@@ -63,7 +79,7 @@ def main(path, T, out, checkpointing=False):
                 refused[name] = str(e)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"logits": rel_err(part.logits, full.logits[:, seg]), "loss": rel_err(loss, full.loss.detach()),
-                   "grads": grad_err, "n_params": len(ref_grads), "refused": refused}, f)
+                   "grads": grad_err, "n_params": len(ref_grads), "refused": refused, "decode": decode}, f)
     dist.destroy_process_group()
 
 

@@ -1,5 +1,5 @@
 """Context parallelism (SPEC 7): a sequence split across 2 or 3 gloo ranks gives the whole sequence's logits, loss
-and parameter gradients.
+and parameter gradients, and a prefilled cache from which one rank decodes what the whole prompt generates.
 
 Tolerance rule (fp32 model): relative to the largest magnitude of the reference tensor, 1e-4 for logits and loss and
 1e-3 for gradients; the segments cut the KDA chunks and the MLA softmax at other places, which reorders fp32 sums.
@@ -42,8 +42,10 @@ def test_segments_match_the_whole_sequence(ckpt, world, T, extra, tmp_path):
         assert result["n_params"] > 100 and len(result["grads"]) == result["n_params"]
         worst = max(result["grads"], key=result["grads"].get)
         assert result["grads"][worst] <= 1e-3, (rank, worst, result["grads"][worst])
+        decode = result["decode"]  # prefilled over the ranks, decoded alone: the whole prompt's generation
+        assert decode["cache_len"] == world * T and decode["same_tokens"] and decode["logits"] <= 1e-4, decode
         refused = result["refused"]
-        assert "use_cache=False" in refused["cache"] and "no padding" in refused["padding"]
+        assert "fresh KimiK3Cache" in refused["used cache"] and "no padding" in refused["padding"]
         assert "same number of tokens" in refused["unequal segments"]
 
 

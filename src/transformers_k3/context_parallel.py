@@ -19,7 +19,11 @@ Rank r holds tokens [r * T, (r + 1) * T) of every row (same T on every rank). Th
 The collectives are autograd-aware (`torch.distributed.nn.functional`), so training works: each rank's parameter
 gradients are its segment's share, to be summed over the group (what DDP over the same group does). The loss of
 a segment's last token needs the next segment's first token: build `shift_labels` on the whole sequence and pass
-each rank its slice (transformers' loss takes `shift_labels`). Not supported (raises): a cache (no generation),
+each rank its slice (transformers' loss takes `shift_labels`).
+
+Prefill for generation: with `use_cache=True` every rank ends with the cache of the whole sequence (all the MLA
+latents, the KDA states after the last segment, the last segment's conv inputs), so one rank can go on decoding
+alone, outside the block. Not supported (raises): a cache that already holds tokens, a static or rollback cache,
 padding, packed sequences.
 """
 
@@ -89,20 +93,26 @@ def conv_halo(x: torch.Tensor, width: int, group) -> torch.Tensor:
     return _pick([torch.zeros_like(tails[0])] + tails[:-1], group)
 
 
-def kda(chunk_kda, q, k, v, g, beta, group, **kernel_kwargs) -> torch.Tensor:
-    """The KDA core over this rank's segment of a sequence split across `group`: `[B, T, H, V]` outputs, equal to
-    running the whole sequence from a zero state (see the module docstring for the algebra)."""
+def kda(chunk_kda, q, k, v, g, beta, group, **kernel_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KDA core over this rank's segment of a sequence split across `group`: (`[B, T, H, V]` outputs, equal to
+    running the whole sequence from a zero state (see the module docstring for the algebra); the state after the
+    whole sequence `[B, H, K, V]` fp32, the same on every rank)."""
     B, T, H, K = k.shape
     o0, s_tilde = chunk_kda(q, k, v, g, beta, initial_state=None, output_final_state=True, **kernel_kwargs)
     eye = torch.eye(K, device=k.device, dtype=torch.float32).expand(B, H, K, K).contiguous()  # [B, H, K, K]
     pq, transition = chunk_kda(q, k, torch.zeros_like(k), g, beta, initial_state=eye, output_final_state=True,
                                **kernel_kwargs)  # pq [B, T, H, K] = P_t^T q_t, transition [B, H, K, K] = M
     transitions, partials = _gather(transition.float(), group), _gather(s_tilde.float(), group)
-    entering = [torch.zeros_like(partials[0])]  # [B, H, K, V]: the state entering rank 0
-    for m, s in zip(transitions[:-1], partials[:-1]):
-        entering.append(m @ entering[-1] + s)  # the state leaving a rank is the one entering the next
-    state = _pick(entering, group)
-    return o0 + torch.einsum("bthk,bhkv->bthv", pq.float(), state).to(o0.dtype)
+    states = [torch.zeros_like(partials[0])]  # [B, H, K, V]: the state entering rank 0
+    for m, s in zip(transitions, partials):
+        states.append(m @ states[-1] + s)  # the state leaving a rank is the one entering the next
+    state = _pick(states[:-1], group)
+    return o0 + torch.einsum("bthk,bhkv->bthv", pq.float(), state).to(o0.dtype), states[-1]
+
+
+def last_segment(t: torch.Tensor, group) -> torch.Tensor:
+    """The last rank's `t` (a short conv's final state, for the cache a context-parallel prefill leaves)."""
+    return _gather(t, group)[-1]
 
 
 def mla_latents(latent: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:

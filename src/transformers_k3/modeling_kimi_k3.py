@@ -153,6 +153,8 @@ class KimiK3DeltaAttention(nn.Module):
                     px, conv.weight, initial_state=state, output_final_state=want_state, cu_seqlens=cu_seqlens,
                     backend=self.config.kda_backend,
                 )
+            if cp is not None and want_state:  # the cache continues after the whole sequence: the last segment's
+                s = context_parallel.last_segment(s, cp)
             qkv.append(y.view(B, T, H, K))  # [B, T, H, K]
             new_conv.append(s)
             pre_conv.append(px)
@@ -183,7 +185,7 @@ class KimiK3DeltaAttention(nn.Module):
             cache.save_rollback(self.layer_idx, tuple(conv_before), None if recurrent is None else recurrent.clone(),
                                 tuple(px[:, split:] for px in pre_conv), (q, k, v, g, beta))
         if cp is not None:
-            o, final = context_parallel.kda(ops[0], q, k, v, g, beta, cp, use_qk_l2norm_in_kernel=True), None
+            o, final = context_parallel.kda(ops[0], q, k, v, g, beta, cp, use_qk_l2norm_in_kernel=True)
         else:
             o, final = self._recurrence(ops, q, k, v, g, beta, recurrent, want_state, cu_seqlens)
         if head is not None:
@@ -310,7 +312,8 @@ class KimiK3Attention(nn.Module):
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)
         c = self.kv_a_layernorm(c)  # [B, T, r]; NoPE: k_pe is used as is, never rotated
-        expand = cache is None or T >= EXPANDED_PREFILL_MIN_TOKENS
+        cp = context_parallel.context_parallel_group()  # a segment of a sequence split across ranks (SPEC 7)
+        expand = cache is None or T >= EXPANDED_PREFILL_MIN_TOKENS or cp is not None
         # Which new tokens are real keys (the last query row sees every new key but padding): static caches keep it
         # for decode steps that run without the host-built mask.
         key_valid = None if attention_mask is None or cache is None else attention_mask[:, 0, -1, -T:]  # [B, T]
@@ -328,12 +331,14 @@ class KimiK3Attention(nn.Module):
                 q_nope, q_pe, c_all, k_pe_all, self._kv_b_weight(), self.v_dim, self.scaling, attention_mask
             )
         else:
-            if cache is not None:  # a long prefill chunk: expand the whole cached latent, prefix included
+            if cp is not None:  # every segment's latents, all of which a prefilled cache keeps
+                latent, attention_mask = context_parallel.mla_latents(torch.cat([c, k_pe], dim=-1), cp)
+                if cache is not None:
+                    cache.update_latent(self.layer_idx, latent)
+                c, k_pe = latent.split([self.kv_rank, self.rope_dim], dim=-1)  # [B, L, r], [B, L, dr]
+            elif cache is not None:  # a long prefill chunk: expand the whole cached latent, prefix included
                 latent = cache.update_latent(self.layer_idx, torch.cat([c, k_pe], dim=-1), key_valid)  # [B, L, r + dr]
                 c, k_pe = latent.to(x.dtype).split([self.kv_rank, self.rope_dim], dim=-1)
-            elif (cp := context_parallel.context_parallel_group()) is not None:  # every segment's latents (SPEC 7)
-                latent, attention_mask = context_parallel.mla_latents(torch.cat([c, k_pe], dim=-1), cp)
-                c, k_pe = latent.split([self.kv_rank, self.rope_dim], dim=-1)  # [B, L, r], [B, L, dr]
             L = c.shape[1]
             kv = self.kv_b_proj(c).view(B, L, H, self.nope_dim + self.v_dim)
             k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
@@ -909,9 +914,9 @@ class KimiK3Model(KimiK3PreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         cp = context_parallel.context_parallel_group()
         if use_cache is None:
-            # As in transformers: a cache by default at inference; none while training (nothing reads it), nor for
-            # a segment of a sequence split across ranks (context parallel).
-            use_cache = self.config.use_cache and not self.training and cp is None
+            # As in transformers: a cache by default at inference; none while training (nothing reads it). A segment
+            # of a sequence split across ranks (context parallel) fills one only when given one or use_cache=True.
+            use_cache = (self.config.use_cache and not self.training) if cp is None else cache is not None
         if self.gradient_checkpointing and self.training:
             use_cache = False  # checkpointed layers re-run their forward: a state must never advance twice
         if not use_cache:
@@ -922,9 +927,11 @@ class KimiK3Model(KimiK3PreTrainedModel):
             cu_seqlens = kwargs.pop("cu_seq_lens_q", None)
         if cp is not None:
             padded = attention_mask is not None and not bool(attention_mask.all())
-            if use_cache or cu_seqlens is not None or padded:
-                raise ValueError("context parallel runs whole unpadded sequences without a cache: pass "
-                                 "use_cache=False, no padding and no packed sequences")
+            if cu_seqlens is not None or padded:
+                raise ValueError("context parallel runs whole unpadded sequences: no padding, no packed sequences")
+            if cache is not None and (cache.get_seq_length() > 0 or cache.is_static or cache.rollback_tokens):
+                raise ValueError("context parallel prefills a fresh KimiK3Cache (empty, not static, no "
+                                 "rollback_tokens): the segments' tokens are the sequence's first")
             attention_mask = position_ids = None  # NoPE: positions only mark packing, which a segment cannot hold
             context_parallel.check_segment(inputs_embeds.shape[1], self.config.linear_conv_kernel_size - 1, cp,
                                             inputs_embeds.device)
