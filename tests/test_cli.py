@@ -93,6 +93,34 @@ def test_write_tiny_then_generate_with_model(tmp_path, capsys):
     assert "new token ids" in out
 
 
+def test_generate_with_a_released_tokenizer_directory(tmp_path, capsys):
+    """`--model` on a directory shipping the release's tokenizer files (tiktoken.model + tokenizer_config.json):
+    the tokenizer is converted (no remote code) and must match the model's vocabulary, or the error says so."""
+    import base64
+    import json
+
+    path = tmp_path / "tiny"
+    assert cli.main(["write-tiny", str(path), "--layers", "4"]) == 0
+    vocab = json.loads((path / "config.json").read_text())["text_config"]["vocab_size"]
+
+    def write_tokenizer(ranks):  # the release's layout: the ranks, then 256 special ids
+        tokens = [bytes([b]) for b in range(256)] + [f"<{i}>".encode() for i in range(256, ranks)]
+        (path / "tiktoken.model").write_text("".join(f"{base64.b64encode(t).decode()} {i}\n"
+                                                     for i, t in enumerate(tokens)))
+        (path / "tokenizer_config.json").write_text(json.dumps({
+            "added_tokens_decoder": {str(ranks): {"content": "[BOS]", "special": True},
+                                     str(ranks + 2): {"content": "<|end_of_msg|>", "special": True}},
+            "bos_token": "[BOS]", "eos_token": "<|end_of_msg|>", "tokenizer_class": "TikTokenTokenizer",
+            "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}}))
+
+    write_tokenizer(vocab - 256)
+    assert cli.main(["generate", "hello", "--model", str(path), "--max-new-tokens", "3"]) == 0
+    assert "[k3] 3 tokens" in capsys.readouterr().err
+    write_tokenizer(vocab - 255)  # one token more than the model has
+    with pytest.raises(ValueError, match=f"{vocab + 1} tokens but the model's vocabulary has {vocab}"):
+        cli.main(["generate", "hello", "--model", str(path), "--max-new-tokens", "3"])
+
+
 def _train_script():
     from helpers import load_example
 

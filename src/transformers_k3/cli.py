@@ -48,6 +48,9 @@ def _generate(args) -> int:
         tokenizer = transformers_k3.KimiK3Tokenizer.from_pretrained(model_dir)
     # else: a random checkpoint from `write-tiny`, which has no tokenizer
     vocab = model.config.get_text_config(decoder=True).vocab_size
+    if tokenizer is not None and len(tokenizer) > vocab:
+        raise ValueError(f"{model_dir}: the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has "
+                         f"{vocab}: they are not one checkpoint's")
     if tokenizer is not None:
         ids = tokenizer(args.prompt, add_special_tokens=False).input_ids
         if tokenizer.bos_token_id is not None:
