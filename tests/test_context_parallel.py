@@ -53,3 +53,38 @@ def test_needs_torch_distributed():
     with pytest.raises(RuntimeError, match="torch.distributed"):
         with context_parallel():
             pass
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_segment_algebra_on_the_triton_kernel(dtype, tol):
+    """The algebra the ranks run, in one process, on the Triton chunk kernel (interpreted on the CPU): three
+    segments of unequal length (one crossing a 64-token chunk), summarised and joined, give the whole sequence's
+    outputs and final state. Tolerance: relative to the largest magnitude; fp32 2e-5, bf16 2e-2 (the P^T q and
+    o0 outputs are rounded to bf16 before they are joined; measured 3e-7 and 1.1e-2, where the whole sequence's bf16
+    output is 1.8e-2 from its fp32 one)."""
+    pytest.importorskip("triton")
+    from helpers import rel_err
+    from k3_kernels.kda.reference import kda_gate
+    from k3_kernels.kda.triton_chunk import chunk_kda
+    from transformers_k3.context_parallel import join_segments, segment_summary
+
+    torch.manual_seed(0)
+    B, T, H, K = 1, 150, 2, 32
+    q, k, v = (torch.randn(B, T, H, K).to(dtype) for _ in range(3))
+    # Slow decay (about 0.88 a step), so each segment's outputs depend on the state the earlier ones leave.
+    g = kda_gate(torch.randn(B, T, H, K) - 6, torch.randn(K) * 0.5, torch.randn(H * K) * 0.5, -5.0)
+    beta = torch.rand(B, T, H)
+    kw = dict(use_qk_l2norm_in_kernel=True)
+    whole, whole_state = chunk_kda(q, k, v, g, beta, output_final_state=True, **kw)
+    bounds = [0, 40, 110, 150]
+    pieces = [segment_summary(chunk_kda, *(t[:, a:b] for t in (q, k, v, g, beta)), **kw)
+              for a, b in zip(bounds[:-1], bounds[1:])]
+    transitions, partials = [p[3] for p in pieces], [p[1] for p in pieces]
+    outs = []
+    for r, (o0, _, pq, _) in enumerate(pieces):
+        o, final = join_segments(o0, pq, transitions, partials, lambda states: states[r])
+        outs.append(o)
+    assert rel_err(torch.cat(outs, dim=1), whole) <= tol
+    assert rel_err(final, whole_state) <= tol
+    # Ignoring the incoming state is far outside the tolerance (0.76): the check can fail.
+    assert rel_err(torch.cat([p[0] for p in pieces], dim=1), whole) > 0.3

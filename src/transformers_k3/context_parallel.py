@@ -93,21 +93,35 @@ def conv_halo(x: torch.Tensor, width: int, group) -> torch.Tensor:
     return _pick([torch.zeros_like(tails[0])] + tails[:-1], group)
 
 
-def kda(chunk_kda, q, k, v, g, beta, group, **kernel_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The KDA core over this rank's segment of a sequence split across `group`: (`[B, T, H, V]` outputs, equal to
-    running the whole sequence from a zero state (see the module docstring for the algebra); the state after the
-    whole sequence `[B, H, K, V]` fp32, the same on every rank)."""
+def segment_summary(chunk_kda, q, k, v, g, beta, **kernel_kwargs):
+    """What one segment contributes, from two runs of the chunked kernel: (o0 `[B, T, H, V]`, its outputs from a zero
+    state; S~ `[B, H, K, V]`, its final state from there; P^T q `[B, T, H, K]`, each output's response to the
+    incoming state; M `[B, H, K, K]`, the segment's transition)."""
     B, T, H, K = k.shape
     o0, s_tilde = chunk_kda(q, k, v, g, beta, initial_state=None, output_final_state=True, **kernel_kwargs)
     eye = torch.eye(K, device=k.device, dtype=torch.float32).expand(B, H, K, K).contiguous()  # [B, H, K, K]
     pq, transition = chunk_kda(q, k, torch.zeros_like(k), g, beta, initial_state=eye, output_final_state=True,
-                               **kernel_kwargs)  # pq [B, T, H, K] = P_t^T q_t, transition [B, H, K, K] = M
-    transitions, partials = _gather(transition.float(), group), _gather(s_tilde.float(), group)
-    states = [torch.zeros_like(partials[0])]  # [B, H, K, V]: the state entering rank 0
+                               **kernel_kwargs)
+    return o0, s_tilde, pq, transition
+
+
+def join_segments(o0, pq, transitions, partials, pick):
+    """This segment's outputs given every segment's (M, S~) in order: the scan gives the state entering each one
+    (`pick` takes this segment's), and the state after the last. -> (`[B, T, H, V]`, `[B, H, K, V]` fp32)."""
+    states = [torch.zeros_like(partials[0], dtype=torch.float32)]  # the state entering the first segment
     for m, s in zip(transitions, partials):
-        states.append(m @ states[-1] + s)  # the state leaving a rank is the one entering the next
-    state = _pick(states[:-1], group)
-    return o0 + torch.einsum("bthk,bhkv->bthv", pq.float(), state).to(o0.dtype), states[-1]
+        states.append(m.float() @ states[-1] + s.float())  # the state leaving a segment is the one entering the next
+    incoming = pick(states[:-1])
+    return o0 + torch.einsum("bthk,bhkv->bthv", pq.float(), incoming).to(o0.dtype), states[-1]
+
+
+def kda(chunk_kda, q, k, v, g, beta, group, **kernel_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KDA core over this rank's segment of a sequence split across `group`: (`[B, T, H, V]` outputs, equal to
+    running the whole sequence from a zero state; the state after the whole sequence `[B, H, K, V]` fp32, the same
+    on every rank). See the module docstring for the algebra."""
+    o0, s_tilde, pq, transition = segment_summary(chunk_kda, q, k, v, g, beta, **kernel_kwargs)
+    return join_segments(o0, pq, _gather(transition.float(), group), _gather(s_tilde.float(), group),
+                         lambda states: _pick(states, group))
 
 
 def last_segment(t: torch.Tensor, group) -> torch.Tensor:
