@@ -38,14 +38,12 @@ from pathlib import Path
 import torch
 
 from transformers_k3.tiny import time_lr_lambda
+from transformers_k3.tokenization_kimi_k3 import K3_SPECIAL_TOKENS
 
 REPO = Path(__file__).resolve().parent.parent
 
-# SPEC 8: K3's special tokens, in release order; they are appended after the BPE ranks.
-SPECIAL_TOKENS = [
-    "[BOS]", "[EOS]", "<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>",
-    "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>", "[PAD]",
-]
+# SPEC 8: K3's named special tokens, in release (id) order; they are appended after the BPE ranks.
+SPECIAL_TOKENS = list(K3_SPECIAL_TOKENS.values())
 
 
 # ----------------------------------------------------------------------------------------------------------
