@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from transformers_k3 import KimiK3ForConditionalGeneration
 from transformers_k3.modeling_kimi_k3 import CACHE_KWARG
-from transformers_k3.context_parallel import context_parallel
+from transformers_k3.context_parallel import context_parallel, prefill
 
 
 def rel_err(a, b):
@@ -53,13 +53,13 @@ def main(path, T, out, checkpointing=False):
     # Prefill across the ranks, then decode alone: every rank holds the whole sequence's cache.
     lm.eval()
     more = torch.randint(0, 500, (2, 5), generator=torch.Generator().manual_seed(1))
-    with context_parallel(), torch.no_grad():
-        prefilled = getattr(lm(input_ids=ids[:, seg], use_cache=True), CACHE_KWARG)
+    prompt = torch.cat([ids, more], 1)  # world * T + 5 tokens
+    prefilled = prefill(lm, prompt)  # the first world * (T + 1) tokens: the largest multiple below the length
     cache_len = prefilled.get_seq_length()
     with torch.no_grad():
         gen = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
-        alone = lm.generate(torch.cat([ids, more], 1), **{CACHE_KWARG: prefilled}, **gen)
-        whole = lm.generate(torch.cat([ids, more], 1), **gen)
+        alone = lm.generate(prompt, **{CACHE_KWARG: prefilled}, **gen)
+        whole = lm.generate(prompt, **gen)
         used = getattr(lm(input_ids=ids[:, :4], use_cache=True), CACHE_KWARG)  # a cache that holds tokens
     decode = {"cache_len": cache_len, "same_tokens": bool(torch.equal(alone.sequences, whole.sequences)),
               "logits": max(rel_err(a, b) for a, b in zip(alone.logits, whole.logits))}

@@ -35,7 +35,7 @@ from contextvars import ContextVar
 import torch
 import torch.distributed as dist
 
-__all__ = ["context_parallel", "context_parallel_group"]
+__all__ = ["context_parallel", "context_parallel_group", "prefill"]
 
 _GROUP: ContextVar = ContextVar("k3_context_parallel_group", default=None)
 
@@ -55,6 +55,23 @@ def context_parallel(group=None):
 def context_parallel_group():
     """The active context-parallel group, or None outside `context_parallel`."""
     return _GROUP.get()
+
+
+@torch.no_grad()
+def prefill(model, input_ids: torch.Tensor, group=None):
+    """Prefill a long prompt across the ranks of `group` (every rank passes the same `input_ids [B, N]`) and return
+    the cache of its first `n` tokens, the same on every rank: `n` is the largest multiple of the group size below
+    N, so `model.generate(input_ids, <cache>=cache)` on any one rank still has a token to feed (plus any rest)."""
+    world = dist.get_world_size(group) if group is not None else dist.get_world_size()
+    rank = dist.get_rank(group) if group is not None else dist.get_rank()
+    seg = (input_ids.shape[1] - 1) // world
+    if seg < 1:
+        raise ValueError(f"prefill over {world} ranks needs at least {world + 1} tokens, got {input_ids.shape[1]}")
+    from .modeling_kimi_k3 import CACHE_KWARG
+
+    with context_parallel(group):
+        out = model(input_ids=input_ids[:, rank * seg:(rank + 1) * seg], use_cache=True, logits_to_keep=1)
+    return getattr(out, CACHE_KWARG)
 
 
 def _gather(t: torch.Tensor, group) -> list[torch.Tensor]:
