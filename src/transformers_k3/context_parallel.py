@@ -17,7 +17,8 @@ Rank r holds tokens [r * T, (r + 1) * T) of every row (same T on every rank). Th
   all-gathered and expanded locally, under a causal mask offset by the segment's start.
 
 The collectives are autograd-aware (`torch.distributed.nn.functional`), so training works: each rank's parameter
-gradients are its segment's share, to be summed over the group (what DDP over the same group does). The loss of
+gradients are its segment's share, to be summed over the group (an all-reduce sum; DDP averages instead, so under
+DDP over the same group multiply the loss by the group size). The loss of
 a segment's last token needs the next segment's first token: build `shift_labels` on the whole sequence and pass
 each rank its slice (transformers' loss takes `shift_labels`).
 
