@@ -63,8 +63,7 @@ def prefill(model, input_ids: torch.Tensor, group=None):
     """Prefill a long prompt across the ranks of `group` (every rank passes the same `input_ids [B, N]`) and return
     the cache of its first `n` tokens, the same on every rank: `n` is the largest multiple of the group size below
     N, so `model.generate(input_ids, <cache>=cache)` on any one rank still has a token to feed (plus any rest)."""
-    world = dist.get_world_size(group) if group is not None else dist.get_world_size()
-    rank = dist.get_rank(group) if group is not None else dist.get_rank()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)  # group None: the default group
     seg = (input_ids.shape[1] - 1) // world
     if seg < 1:
         raise ValueError(f"prefill over {world} ranks needs at least {world + 1} tokens, got {input_ids.shape[1]}")

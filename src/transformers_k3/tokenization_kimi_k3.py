@@ -25,7 +25,6 @@ import os
 from transformers import TokenizersBackend
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
-TIKTOKEN_FILE = "tiktoken.model"
 NUM_SPECIAL_IDS = 256  # the release reserves 163584..163839, named or not
 
 # Kimi's `pat_str` (Moonshot's tokenization_kimi.py since K2; the reference files of K3 do not include the tokenizer,
@@ -79,8 +78,14 @@ def read_tiktoken_ranks(path: str) -> dict[bytes, int]:
 
 
 class _KimiTikTokenConverter(TikTokenConverter):
-    # transformers reads the file with the `tiktoken` package; this format needs no dependency.
-    load_tiktoken_bpe = staticmethod(read_tiktoken_ranks)
+    """transformers' converter on ranks read once here (its own reader needs the `tiktoken` package)."""
+
+    def __init__(self, ranks: dict[bytes, int], **kwargs):
+        super().__init__(**kwargs)
+        self._ranks = ranks
+
+    def load_tiktoken_bpe(self, path):
+        return self._ranks
 
 
 def special_token_names(num_ranks: int, named: dict[int, str]) -> list[str]:
@@ -96,9 +101,10 @@ def special_token_names(num_ranks: int, named: dict[int, str]) -> list[str]:
 def tiktoken_to_tokenizer(path: str, named_specials: dict[int, str] | None = None):
     """A `tokenizers.Tokenizer` equal to the release's tiktoken encoding: byte-level BPE over the ranks, Kimi's
     split pattern, and the 256 specials (matched in text, as the release encodes with `allowed_special="all"`)."""
-    num_ranks = len(read_tiktoken_ranks(path))
-    names = special_token_names(num_ranks, K3_SPECIAL_TOKENS if named_specials is None else named_specials)
-    return _KimiTikTokenConverter(vocab_file=path, pattern=KIMI_K3_PATTERN, extra_special_tokens=names).converted()
+    ranks = read_tiktoken_ranks(path)
+    names = special_token_names(len(ranks), K3_SPECIAL_TOKENS if named_specials is None else named_specials)
+    return _KimiTikTokenConverter(ranks, vocab_file=path, pattern=KIMI_K3_PATTERN,
+                                  extra_special_tokens=names).converted()
 
 
 class KimiK3Tokenizer(TokenizersBackend):
