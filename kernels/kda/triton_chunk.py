@@ -358,7 +358,10 @@ def _ks_left(q, k, g, rows, m_t, i_h, o_c, a_h, bias, lower_bound, ref,
     kt = k e^{e - G} for the later sub-tiles, e = G at its last row, and the squared norms of q and k."""
     bq, bk, G, e = _ks_sub(q, k, g, rows, m_t, i_h, o_c, a_h, bias, lower_bound, ref, H, K, BS, USE_GATE)
     left = tl.exp(G - ref[None, :])
-    return (bk * left, bq * left, bk * tl.exp(ref[None, :] - G), bk * tl.exp(e[None, :] - G), e,
+    right = bk * tl.exp(ref[None, :] - G)
+    # kt = k e^{e - G} = right e^{e - ref}: a per-channel factor instead of a third exponential per element
+    # (2.62 -> 2.55 ms forward at T = 8K on the H200, fourteenth session)
+    return (bk * left, bq * left, right, right * tl.exp(e - ref)[None, :], e,
             tl.sum(bq * bq, axis=1), tl.sum(bk * bk, axis=1))
 
 
@@ -1195,17 +1198,20 @@ class _ChunkKDAFunction(torch.autograd.Function):
             keep_for_backward=keep, **fwd_options,
         )
         o, ht = out[:2]
-        ctx.kept = out[2] if keep else None
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state)
+        # The kept buffers are saved tensors like the inputs, so gradient checkpointing drops them with the rest
+        # of the layer's and the recomputed forward keeps them again; the dict's other entries ride on ctx.
+        kept = out[2] if keep else {}
+        ctx.kept_names = [n for n, t in kept.items() if isinstance(t, torch.Tensor)]
+        ctx.kept_rest = {n: t for n, t in kept.items() if n not in ctx.kept_names}
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, *(kept[n] for n in ctx.kept_names))
         ctx.cu_seqlens, ctx.scale, ctx.flags = cu_seqlens, scale, flags
         return o, ht
 
     # Whether the forward keeps the buffers its Triton backward needs (w, u, qg, kd, Aqk, X, Akk, h: about 1.9 GB
     # per call at T = 8K, H = 96, K = V = 128 in bf16, held from the forward to the backward) instead of the
-    # backward recomputing them (the forward's prep, w / u0 and state kernels again: about 2.4 of the 14.4 ms of
-    # forward + backward at T = 8K on the H200, eleventh session). Off by default. For training without gradient
-    # checkpointing when memory allows; with checkpointing it would hold every layer's buffers through the whole
-    # forward (they are not saved tensors, which checkpointing drops), so leave it off there.
+    # backward recomputing them (the forward's prep, w / u0 and state kernels again: forward + backward 14.4 ->
+    # 12.0 ms at T = 8K on the H200, fourteenth session). Off by default: it is memory for time. They are saved
+    # tensors, so under gradient checkpointing they are dropped and recomputed with the rest of the layer.
     keep_buffers = os.environ.get("K3_KDA_KEEP_BUFFERS", "0") == "1"
 
     @staticmethod
@@ -1227,7 +1233,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
             return _ChunkKDAFunction._backward_triton(ctx, do, dht)
         if impl != "reference":
             raise ValueError(f"_ChunkKDAFunction.backward_impl must be 'triton' or 'reference', got {impl!r}")
-        saved = ctx.saved_tensors
+        saved = ctx.saved_tensors[:8]
         needs = ctx.needs_input_grad[:8]
         with torch.enable_grad():
             inputs = [
@@ -1250,11 +1256,12 @@ class _ChunkKDAFunction(torch.autograd.Function):
     def _backward_triton(ctx, do, dht):
         from .triton_chunk_bwd import chunk_kda_bwd
 
-        q, k, v, g, beta, A_log, dt_bias, h0 = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        q, k, v, g, beta, A_log, dt_bias, h0 = saved[:8]
         use_l2, use_gate, use_bsig, lower_bound = ctx.flags
         # the same flags as the forward: the kernels redo the elementwise preprocessing and take its backward
         # in their epilogue, so the gradients come back with respect to the raw inputs
-        kept, ctx.kept = ctx.kept, None  # released with this backward, not with the graph
+        kept = {**ctx.kept_rest, **dict(zip(ctx.kept_names, saved[8:]))} if ctx.kept_names else None
         dq, dk, dv, dg, db, dh0, dA, ddt = chunk_kda_bwd(
             q, k, v, g, beta, do, scale=ctx.scale, initial_state=h0, dht=dht, cu_seqlens=ctx.cu_seqlens,
             use_qk_l2norm_in_kernel=use_l2, use_gate_in_kernel=use_gate, A_log=A_log, dt_bias=dt_bias,

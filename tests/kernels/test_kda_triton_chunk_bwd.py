@@ -422,6 +422,44 @@ def test_chunk_kda_kept_buffers_same_bits(dtype, bwd_chunk, monkeypatch):
         assert torch.equal(a, b), name
 
 
+def test_chunk_kda_kept_buffers_are_saved_tensors(bwd_chunk, monkeypatch):
+    """The kept buffers go through autograd's saved-tensor hooks (so gradient checkpointing drops them with the
+    inputs and its recomputed forward keeps them again), and under non-reentrant checkpointing the gradients are
+    those of the plain recompute, with no recompute inside the backward."""
+    import k3_kernels.kda.triton_chunk_bwd as TB
+
+    if bwd_chunk != 64:
+        pytest.skip("only the 64-token backward takes kept buffers")
+
+    x = make_raw(T=70, dtype=torch.float32, seed=7)
+    names = ("q", "k", "v", "z", "beta_raw", "A_log", "dt_bias")
+    recomputes = []
+    recompute = TB._recompute_for_backward
+    monkeypatch.setattr(TB, "_recompute_for_backward", lambda *a, **k: recomputes.append(1) or recompute(*a, **k))
+
+    def layer(q, k, v, z, b, A_log, dt_bias):
+        o, _ = TC.chunk_kda(q, k, v, z, b, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log,
+                            dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
+        return o
+
+    def run(keep, checkpoint=False):
+        monkeypatch.setattr(TC._ChunkKDAFunction, "keep_buffers", keep)
+        ts = [x[n].clone().requires_grad_() for n in names]
+        packed = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.numel()) or t, lambda t: t):
+            o = torch.utils.checkpoint.checkpoint(layer, *ts, use_reentrant=False) if checkpoint else layer(*ts)
+        return sum(packed), torch.autograd.grad(o.pow(2).sum(), ts)
+
+    plain_numel, plain = run(False)
+    kept_numel, kept = run(True)
+    assert kept_numel > plain_numel  # the buffers were saved through the hooks, not held on ctx
+    del recomputes[:]
+    _, ckpt = run(True, checkpoint=True)
+    assert not recomputes  # the checkpoint's recomputed forward kept its buffers for the backward
+    for name, a, b in zip(names, ckpt, plain):
+        assert torch.equal(a, b), name
+
+
 def test_keep_for_backward_needs_default_launches():
     x = make_raw(T=20)
     args = (x["q"], x["k"], x["v"], x["z"], torch.sigmoid(x["beta_raw"]))
