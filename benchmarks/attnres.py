@@ -82,18 +82,23 @@ def _timer(device):
     return once
 
 
-def compare_variants(T, d, device="cuda", max_configs=20, pass2=("split",), per_sm=(None,)):
-    """"row" (default launch) vs "tiled" over `tiled_configs` (and each `TILED_PASS2` form in `pass2`), stacked
-    [N, T, d] bf16, N = 3, 6, 9."""
+_SETTINGS = ("TILED_PASS2", "TILED_PROGRAMS_PER_SM", "RESIDENT_PREFETCH", "RESIDENT_PROGRAMS_PER_SM", "RESIDENT_STAGES")
+
+
+def compare_variants(T, d, device="cuda", max_configs=20, pass2=("split",), per_sm=(None,), tiled=None, resident=()):
+    """"row" (default launch) vs "tiled" over `tiled_configs` or the given `tiled` (block_t, block_d, num_warps)
+    list (and each `TILED_PASS2` form in `pass2`) vs "resident" over `resident` (num_warps, prefetch,
+    programs per SM, stages) where a token's tile fits, stacked [N, T, d] bf16, N = 3, 6, 9."""
     bench = _timer(device)
-    before = triton_attnres.TILED_PASS2, triton_attnres.TILED_PROGRAMS_PER_SM
+    before = {k: getattr(triton_attnres, k) for k in _SETTINGS}
     try:
-        _compare_variants(T, d, device, max_configs, pass2, per_sm, bench)
+        _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident, bench)
     finally:
-        triton_attnres.TILED_PASS2, triton_attnres.TILED_PROGRAMS_PER_SM = before
+        for k, v in before.items():
+            setattr(triton_attnres, k, v)
 
 
-def _compare_variants(T, d, device, max_configs, pass2, per_sm, bench):
+def _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident, bench):
     rows = []
     best = {}
     for N in (3, 6, 9):
@@ -111,13 +116,21 @@ def _compare_variants(T, d, device, max_configs, pass2, per_sm, bench):
         qg, nwg = q.clone().requires_grad_(), nw.clone().requires_grad_()
         grads_row = None
         runs = [("row", (None, None, None), ("-", None))]
-        runs += [("tiled", c, (form, k)) for form in pass2 for k in per_sm for c in tiled_configs(N, max_configs)]
+        cfgs = tiled_configs(N, max_configs) if tiled is None else tiled
+        runs += [("tiled", c, (form, k)) for form in pass2 for k in per_sm for c in cfgs]
+        if triton.next_power_of_2(N) * triton.next_power_of_2(d) <= triton_attnres._MAX_TILE:
+            runs += [("resident", (None, None, w), (f"prefetch={int(pf)} stages={st}", k)) for w, pf, k, st in resident]
         for variant, cfg, form in runs:
             bt, bd, warps = cfg
             kw = dict(variant=variant, block_t=bt, block_d=bd, num_warps=warps)
-            label = f"N={N} {variant} block_t={bt} block_d={bd} num_warps={warps} pass2={form[0]} per_sm={form[1]}"
+            label = f"N={N} {variant} block_t={bt} block_d={bd} num_warps={warps} {form[0]} programs/SM={form[1]}"
             if variant == "tiled":  # module settings, read by attn_res_triton at each call
                 triton_attnres.TILED_PASS2, triton_attnres.TILED_PROGRAMS_PER_SM = form
+            if variant == "resident":
+                pf, st = form[0].split()
+                triton_attnres.RESIDENT_PREFETCH = pf == "prefetch=1"
+                triton_attnres.RESIDENT_STAGES = int(st.split("=")[1])
+                triton_attnres.RESIDENT_PROGRAMS_PER_SM = form[1]
             try:
                 with torch.no_grad():
                     err = ((attn_res_triton(stacked, q, nw, 1e-5, **kw).float() - ref).abs().max() / scale).item()
@@ -146,10 +159,10 @@ def _compare_variants(T, d, device, max_configs, pass2, per_sm, bench):
             rows.append((N, variant, form, bt, bd, warps, err, gerr, f_ms, f_bw, fb_ms, fb_bw, ok))
             print(f"{label}: rel err {err:.1e}, grad rel err vs row {gerr:.1e}{ok}, fwd {f_ms:.3f} ms "
                   f"({f_bw:.2f} TB/s), fwd+bwd {fb_ms:.3f} ms ({fb_bw:.2f} TB/s)", flush=True)
-            if variant == "tiled" and not ok:
+            if variant != "row" and not ok:
                 for key, ms in (("fwd", f_ms), ("fwd+bwd", fb_ms)):
                     if (N, key) not in best or ms < best[N, key][0]:
-                        best[N, key] = (ms, cfg, form)
+                        best[N, key] = (ms, cfg, form, variant)
         del stacked, ref, v_leaf, grads_row
     dev = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
     print(f"\nAttnRes variants, T = {T}, d = {d}, bf16, stacked input, {dev}, torch {torch.__version__}, "
@@ -166,10 +179,9 @@ def _compare_variants(T, d, device, max_configs, pass2, per_sm, bench):
     for N in (3, 6, 9):
         for key in ("fwd", "fwd+bwd"):
             if (N, key) in best:
-                ms, (bt, bd, warps), form = best[N, key]
-                print(f"best tiled {key} N={N}: block_t={bt} block_d={bd} num_warps={warps} pass2={form[0]} "
-                      f"TILED_PROGRAMS_PER_SM={form[1]} "
-                      f"({ms:.3f} ms)", flush=True)
+                ms, (bt, bd, warps), form, variant = best[N, key]
+                print(f"best {key} N={N}: {variant} block_t={bt} block_d={bd} num_warps={warps} {form[0]} "
+                      f"programs/SM={form[1]} ({ms:.3f} ms)", flush=True)
 
 
 def main():
@@ -183,6 +195,11 @@ def main():
                     help="--variants: TILED_PASS2 forms to sweep, comma-separated ('split', 'tile'; both doubles it)")
     ap.add_argument("--programs-per-sm", default="none",
                     help="--variants: TILED_PROGRAMS_PER_SM values to sweep, comma-separated ('none' or ints)")
+    ap.add_argument("--tiled-configs", default=None,
+                    help="--variants: explicit tiled configs 'block_t:block_d:num_warps,...' instead of the pruned sweep")
+    ap.add_argument("--resident", default="",
+                    help="--variants: resident configs 'num_warps:prefetch(0/1):programs_per_sm:stages,...' (N where "
+                         "the tile fits)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="--variants only; cpu needs TRITON_INTERPRET=1 (a smoke run, timings meaningless)")
     args = ap.parse_args()
@@ -199,7 +216,19 @@ def main():
             ap.error(f"--programs-per-sm takes 'none' or ints, comma-separated, got {args.programs_per_sm!r}")
         if any(k is not None and k < 1 for k in per_sm):
             ap.error("--programs-per-sm values must be >= 1")
-        compare_variants(T, d, args.device, args.max_configs, forms, per_sm)
+        def tuples(text, n):
+            out = [tuple(int(x) for x in c.split(":")) for c in text.split(",") if c.strip()]
+            if any(len(t) != n for t in out):
+                raise ValueError
+            return out
+
+        try:
+            tiled = None if args.tiled_configs is None else tuples(args.tiled_configs, 3)
+            resident = [(w, bool(pf), k, st) for w, pf, k, st in tuples(args.resident, 4)]
+        except ValueError:
+            ap.error("--tiled-configs takes block_t:block_d:num_warps and --resident num_warps:prefetch:per_sm:stages, "
+                     "comma-separated")
+        compare_variants(T, d, args.device, args.max_configs, forms, per_sm, tiled, resident)
         return
     if args.device != "cuda":
         ap.error("--device cpu is supported with --variants only")

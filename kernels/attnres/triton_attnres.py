@@ -13,7 +13,7 @@ Backward (one read of every candidate row, `out` and `dout`; `sum_j alpha_j dalp
     dv_i = alpha_i dout + dlogit_i (r_i w - p_i r_i^3 v_i / d)
     dw = sum_{t, i} dlogit_i r_i v_i   (partial sums per program of 16 tokens, summed by torch)
 
-Two designs of the same maths, chosen with `attn_res_triton(..., variant=)` (default `DEFAULT_VARIANT`):
+Three designs of the same maths, chosen with `attn_res_triton(..., variant=)` (default `DEFAULT_VARIANT`):
 
 * "row" (`_attnres_fwd` / `_attnres_bwd`): one program per token, the whole d-row of ONE candidate in registers,
   an online softmax over the candidates. Every byte is read once, but candidate i + 1's load can only overlap
@@ -44,6 +44,12 @@ Two designs of the same maths, chosen with `attn_res_triton(..., variant=)` (def
   Backward pass 2 re-reads `dout` and the slices (L2) and writes dv_i; each program handles about 16 tokens
   (BLOCK_T at a time) and adds its dw slice partials into its own fp32 row of a `[programs, d]` buffer (a
   barrier between token blocks orders the read-modify-writes), summed by torch: deterministic, no atomics.
+* "resident" (`_attnres_fwd_resident` / `_attnres_bwd_resident`): a persistent grid whose programs each hold one
+  token's whole `[NP, next_pow2(d)]` tile of all candidates in registers, so the forward's statistics, softmax
+  and mix, and the backward's dalpha_i and dv_i, read it once, with no second sweep to hope for L2 on; the next
+  token's tile is loaded before the current one is reduced (`RESIDENT_PREFETCH`). The forward saves r_i and p_i
+  as the tiled one does; the backward keeps dw in registers, one partial row per program. Only where the tile
+  fits a program's registers (NP * next_pow2(d) <= 64K elements: N <= 8 at K3's d = 7168).
 
 Triton is imported here, so import this module only where Triton is available (see `k3_kernels.dispatch`).
 """
@@ -56,7 +62,7 @@ import triton.language as tl
 
 __all__ = ["attn_res_triton", "DEFAULT_VARIANT", "VARIANTS", "TILED_PASS2", "TILED_PROGRAMS_PER_SM"]
 
-VARIANTS = ("row", "tiled")
+VARIANTS = ("row", "tiled", "resident")
 # Design used when `attn_res_triton` is called without `variant=` (as `k3_kernels.dispatch` does). "auto" = the
 # faster one as measured on the H200 (BENCHMARKS.md, fourth session; T = 8K, d = 7168, bf16): "tiled" for the
 # forward at every N (N = 3 / 6 / 9: 0.149 / 0.333 / 0.481 ms against the row design's 0.257 / 0.453 / 0.687)
@@ -77,6 +83,12 @@ TILED_PROGRAMS_PER_SM = None
 # Widest chunk of pass 1's [BLOCK_T, C, NP, CHUNK] view (see `_attnres_fwd_tiled`): 32 lanes x 8 bf16 = 256.
 # The tests lower it to run C > 1 on small shapes.
 _TILED_CHUNK = 256
+# "resident": programs per SM of its persistent grid; whether each program loads its next token's tile into
+# registers before reducing the current one (PREFETCH); software-pipeline stages of its token loop (> 1: the next
+# tiles are copied to shared memory asynchronously). `benchmarks/attnres.py --variants --resident ...` sweeps them.
+RESIDENT_PROGRAMS_PER_SM = 2
+RESIDENT_PREFETCH = True
+RESIDENT_STAGES = 1
 _MAX_TILE = 1 << 16  # elements of one [BLOCK_T, NP, BLOCK_D] tile: beyond this the registers spill hopelessly
 
 
@@ -227,6 +239,165 @@ def _attnres_fwd_tiled(
                          mask=tmask[:, None] & dmask[None, :])
 
 
+
+@triton.jit
+def _resident_offsets(T, D, ROW0: tl.constexpr, NR: tl.constexpr, N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Offsets `[NR, BLOCK_D]` of v[ROW0 + j, 0, :] and their mask (rows past N and columns past D off)."""
+    offs_n = ROW0 + tl.arange(0, NR)
+    offs_d = tl.arange(0, BLOCK_D)
+    return offs_n[:, None].to(tl.int64) * T * D + offs_d[None, :], (offs_n[:, None] < N) & (offs_d[None, :] < D)
+
+
+@triton.jit
+def _resident_load(V, rows, mask, t, T, D, NR: tl.constexpr):
+    """Token t's `[NR, BLOCK_D]` rows (zeros when t >= T)."""
+    return tl.load(V + rows + t.to(tl.int64) * D, mask=mask & (tl.full([NR, 1], t, tl.int32) < T), other=0.0)
+
+
+@triton.jit
+def _attnres_fwd_resident(
+    V, W, O, ALPHA, RS, PS, T, D, eps, N: tl.constexpr, NA: tl.constexpr, NB: tl.constexpr,
+    SAVE_STATS: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
+):
+    # Persistent: program p takes tokens p, p + P, p + 2P, ... Each token's whole tile of all candidates is loaded
+    # once and kept (registers, or shared memory when pipelined) through the statistics, the softmax and the mix,
+    # so every byte is read from HBM once and nothing is re-read (the tiled design's second sweep depends on L2).
+    # The tile is two row groups, `[NA, BLOCK_D]` (NA = the largest power of two <= N) and `[NB, BLOCK_D]` (the rest,
+    # padded to a power of two; NB = 0: none), so N = 3, 5, 6 hold 3, 5, 6 rows instead of 4, 8, 8.
+    # The next tokens' bytes must be in flight while this one is reduced (its reductions end in barriers): PREFETCH
+    # loads the next tile into registers before this one's arithmetic; STAGES > 1 has Triton's software pipeline
+    # copy the next STAGES - 1 tiles into shared memory asynchronously instead. w is loaded once per program.
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    w = tl.load(W + offs_d, mask=dmask, other=0.0)[None, :]  # [1, BLOCK_D] fp32
+    rows_a, mask_a = _resident_offsets(T, D, 0, NA, N, BLOCK_D)
+    rows_b, mask_b = _resident_offsets(T, D, NA, max(NB, 1), N, BLOCK_D)
+    if PREFETCH:
+        va_next = _resident_load(V, rows_a, mask_a, pid, T, D, NA)
+        if NB > 0:
+            vb_next = _resident_load(V, rows_b, mask_b, pid, T, D, NB)
+    for t0 in tl.range(0, T, n_prog, num_stages=STAGES):
+        t = t0 + pid  # this program's token (t0 is the same in every program: its tail is past T in some)
+        if PREFETCH:
+            va = va_next
+            va_next = _resident_load(V, rows_a, mask_a, t + n_prog, T, D, NA)
+            if NB > 0:
+                vb = vb_next
+                vb_next = _resident_load(V, rows_b, mask_b, t + n_prog, T, D, NB)
+        else:
+            va = _resident_load(V, rows_a, mask_a, t, T, D, NA)
+            if NB > 0:
+                vb = _resident_load(V, rows_b, mask_b, t, T, D, NB)
+        if t < T:
+            ia = tl.arange(0, NA)
+            fa = va.to(tl.float32)
+            ra = 1.0 / tl.sqrt(tl.sum(fa * fa, axis=1) / D + eps)  # [NA]
+            pa = tl.sum(fa * w, axis=1)
+            la = tl.where(ia < N, ra * pa, float("-inf"))  # padded candidates get no weight
+            m = tl.max(la, axis=0)
+            if NB > 0:
+                ib = NA + tl.arange(0, NB)
+                fb = vb.to(tl.float32)
+                rb = 1.0 / tl.sqrt(tl.sum(fb * fb, axis=1) / D + eps)  # [NB]
+                pb = tl.sum(fb * w, axis=1)
+                lb = tl.where(ib < N, rb * pb, float("-inf"))
+                m = tl.maximum(m, tl.max(lb, axis=0))
+                eb = tl.exp(lb - m)
+            ea = tl.exp(la - m)
+            den = tl.sum(ea, axis=0)
+            if NB > 0:
+                den += tl.sum(eb, axis=0)
+            aa = ea / den
+            out = tl.sum(aa[:, None] * fa, axis=0)  # [BLOCK_D]
+            tl.store(ALPHA + ia * T + t, aa, mask=ia < N)
+            if SAVE_STATS:
+                tl.store(RS + ia * T + t, ra, mask=ia < N)
+                tl.store(PS + ia * T + t, pa, mask=ia < N)
+            if NB > 0:
+                ab = eb / den
+                out += tl.sum(ab[:, None] * fb, axis=0)
+                tl.store(ALPHA + ib * T + t, ab, mask=ib < N)
+                if SAVE_STATS:
+                    tl.store(RS + ib * T + t, rb, mask=ib < N)
+                    tl.store(PS + ib * T + t, pb, mask=ib < N)
+            tl.store(O + t.to(tl.int64) * D + offs_d, out.to(O.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _resident_group_stats(v, do, ALPHA, RS, PS, t, T, ROW0: tl.constexpr, NR: tl.constexpr, N: tl.constexpr):
+    """One row group of the backward: dalpha_i = <dout, v_i> and the group's alpha_i, r_i, p_i, all `[NR]`."""
+    i = ROW0 + tl.arange(0, NR)
+    sidx = i * T + t  # [NR] into the [N, T] buffers
+    alpha = tl.load(ALPHA + sidx, mask=i < N, other=0.0)
+    r = tl.load(RS + sidx, mask=i < N, other=0.0)
+    p = tl.load(PS + sidx, mask=i < N, other=0.0)
+    return tl.sum(v * do, axis=1), alpha, r, p
+
+
+@triton.jit
+def _resident_dv_store(v, do, w, dalpha, alpha, r, p, s, DV, rows, mask, t, D):
+    """dv_i of a row group given s = <dout, out>, written; returns the group's sum_i dlogit_i r_i v_i (for dw)."""
+    dlogit = alpha * (dalpha - s)
+    c_w = dlogit * r
+    c_v = dlogit * p * r * r * r / D
+    dv = alpha[:, None] * do + c_w[:, None] * w - c_v[:, None] * v
+    tl.store(DV + rows + t.to(tl.int64) * D, dv.to(DV.dtype.element_ty), mask=mask)
+    return tl.sum(c_w[:, None] * v, axis=0)
+
+
+@triton.jit
+def _attnres_bwd_resident(
+    V, W, DO, ALPHA, RS, PS, DV, DW, T, D, N: tl.constexpr, NA: tl.constexpr, NB: tl.constexpr,
+    BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
+):
+    # The forward's persistent walk and row groups again, one read of each token's tile and dout row: with all N
+    # dalpha_i = <dout, v_i> of the token at hand, sum_j alpha_j dalpha_j = <dout, out> comes out exactly in fp32,
+    # and dv_i is written from the same registers. dw accumulates over the program's tokens in registers: one
+    # partial row per program, summed by torch.
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    w = tl.load(W + offs_d, mask=dmask, other=0.0)[None, :]  # [1, BLOCK_D] fp32
+    dw = tl.zeros([BLOCK_D], dtype=tl.float32)
+    rows_a, mask_a = _resident_offsets(T, D, 0, NA, N, BLOCK_D)
+    rows_b, mask_b = _resident_offsets(T, D, NA, max(NB, 1), N, BLOCK_D)
+    do_rows = offs_d[None, :].to(tl.int64)  # [1, BLOCK_D]: dout is one row a token
+    if PREFETCH:
+        va_next = _resident_load(V, rows_a, mask_a, pid, T, D, NA)
+        do_next = _resident_load(DO, do_rows, dmask[None, :], pid, T, D, 1)
+        if NB > 0:
+            vb_next = _resident_load(V, rows_b, mask_b, pid, T, D, NB)
+    for t0 in tl.range(0, T, n_prog, num_stages=STAGES):
+        t = t0 + pid
+        if PREFETCH:
+            va, do = va_next, do_next
+            va_next = _resident_load(V, rows_a, mask_a, t + n_prog, T, D, NA)
+            do_next = _resident_load(DO, do_rows, dmask[None, :], t + n_prog, T, D, 1)
+            if NB > 0:
+                vb = vb_next
+                vb_next = _resident_load(V, rows_b, mask_b, t + n_prog, T, D, NB)
+        else:
+            va = _resident_load(V, rows_a, mask_a, t, T, D, NA)
+            do = _resident_load(DO, do_rows, dmask[None, :], t, T, D, 1)
+            if NB > 0:
+                vb = _resident_load(V, rows_b, mask_b, t, T, D, NB)
+        if t < T:
+            fa = va.to(tl.float32)
+            fdo = do.to(tl.float32)  # [1, BLOCK_D]
+            da, aa, ra, pa = _resident_group_stats(fa, fdo, ALPHA, RS, PS, t, T, 0, NA, N)
+            s = tl.sum(aa * da, axis=0)
+            if NB > 0:
+                fb = vb.to(tl.float32)
+                db, ab, rb, pb = _resident_group_stats(fb, fdo, ALPHA, RS, PS, t, T, NA, NB, N)
+                s += tl.sum(ab * db, axis=0)
+                dw += _resident_dv_store(fb, fdo, w, db, ab, rb, pb, s, DV, rows_b, mask_b, t, D)
+            dw += _resident_dv_store(fa, fdo, w, da, aa, ra, pa, s, DV, rows_a, mask_a, t, D)
+    tl.store(DW + pid.to(tl.int64) * D + offs_d, dw, mask=dmask)
+
+
 @triton.jit
 def _attnres_bwd_tiled(
     V, W, DO, ALPHA, RS, PS, SCR, DV, DW, T, D, NB, N: tl.constexpr, NP: tl.constexpr,
@@ -339,13 +510,16 @@ def _check_pow2(name: str, value, lo: int, hi: int):
         raise ValueError(f"{name} must be a power of two in [{lo}, {hi}], got {value!r}")
 
 
+def _sm_count(device) -> int:
+    # The interpreter has no SMs: 2 stand in, so the tests run several token blocks per program.
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+
+
 def _tiled_grid(n_blocks: int, min_nb: int, per_sm, device) -> tuple[int, int]:
     """(programs, token blocks per program) for `n_blocks` blocks, at least `min_nb` blocks per program."""
     nb = min_nb
     if per_sm is not None:
-        # The interpreter has no SMs: 2 stands in, so the tests exercise several blocks per program.
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-        nb = max(nb, triton.cdiv(n_blocks, per_sm * sms))
+        nb = max(nb, triton.cdiv(n_blocks, per_sm * _sm_count(device)))
     return triton.cdiv(n_blocks, nb), nb
 
 
@@ -369,10 +543,25 @@ def _tiled_cfg(N: int, D: int, block_t, block_d, num_warps, grad: bool = False):
     return block_t, NP, block_d, num_warps
 
 
+def _resident_cfg(N: int, D: int, num_warps):
+    """(NA, NB, BLOCK_D, num_warps) of the resident kernels: one token's rows as two power-of-two groups."""
+    NA = 1 << (N.bit_length() - 1)  # the largest power of two <= N
+    NB = 0 if N == NA else triton.next_power_of_2(N - NA)
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    if (NA + NB) * BLOCK_D > _MAX_TILE:
+        raise ValueError(
+            f"variant='resident' keeps a token's {NA + NB} (padded) rows of next_pow2(d) = {BLOCK_D} in one program, "
+            f"at most {_MAX_TILE} elements: use variant='tiled'"
+        )
+    if num_warps is None:
+        num_warps = max(1, min(32, (NA + NB) * BLOCK_D // (32 * 64)))  # ~64 values of the tile per thread
+    return NA, NB, BLOCK_D, num_warps
+
+
 class _AttnResFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, v, query_weight, norm_weight, eps, cfg):
-        variant, block_t, block_d, num_warps, split, per_sm, chunk = cfg
+        variant, block_t, block_d, num_warps, split, per_sm, chunk, res_per_sm, prefetch, stages = cfg
         N, D = v.shape[0], v.shape[-1]
         lead = v.shape[1:-1]
         v3 = v.reshape(N, -1, D).contiguous()  # [N, T, D], T = all leading token dims
@@ -382,16 +571,22 @@ class _AttnResFunction(torch.autograd.Function):
         alpha = torch.empty((N, T), device=v.device, dtype=torch.float32)
         grad = any(ctx.needs_input_grad[:3])
         ctx.lead, ctx.eps, ctx.cfg = lead, eps, cfg
-        if variant == "tiled":
-            BLOCK_T, NP, BLOCK_D, warps = _tiled_cfg(N, D, block_t, block_d, num_warps, grad)
+        if variant in ("tiled", "resident"):
             # r_i and p_i per (candidate, token): backward then needs only <dout, v_i> from its first sweep.
             rs = torch.empty((N, T), device=v.device, dtype=torch.float32) if grad else alpha
             ps = torch.empty((N, T), device=v.device, dtype=torch.float32) if grad else alpha
-            if T > 0:
+            if T > 0 and variant == "resident":
+                NA, NB, BLOCK_D, warps = _resident_cfg(N, D, num_warps)
+                _attnres_fwd_resident[(min(T, res_per_sm * _sm_count(v.device)),)](
+                    v3, w, out, alpha, rs, ps, T, D, eps, N=N, NA=NA, NB=NB, SAVE_STATS=grad, BLOCK_D=BLOCK_D,
+                    PREFETCH=prefetch, STAGES=stages, num_warps=warps, num_stages=stages,
+                )
+            elif T > 0:
+                BLOCK_T, NP, BLOCK_D, warps = _tiled_cfg(N, D, block_t, block_d, num_warps, grad)
                 n_prog, nb = _tiled_grid(triton.cdiv(T, BLOCK_T), 1, per_sm, v.device)
                 _attnres_fwd_tiled[(n_prog,)](
-                    v3, w, out, alpha, rs, ps, T, D, eps, nb, N=N, NP=NP, SAVE_STATS=grad, SPLIT=split, BLOCK_T=BLOCK_T,
-                    BLOCK_D=BLOCK_D, CHUNK=min(BLOCK_D, chunk), num_warps=warps,
+                    v3, w, out, alpha, rs, ps, T, D, eps, nb, N=N, NP=NP, SAVE_STATS=grad, SPLIT=split,
+                    BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, CHUNK=min(BLOCK_D, chunk), num_warps=warps,
                 )
             ctx.save_for_backward(v3, w, alpha, rs, ps, query_weight, norm_weight)
             return out.view(*lead, D)
@@ -407,15 +602,18 @@ class _AttnResFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        variant, block_t, block_d, num_warps, split, per_sm, chunk = ctx.cfg
-        if variant == "tiled":
+        variant, block_t, block_d, num_warps, split, per_sm, chunk, res_per_sm, prefetch, stages = ctx.cfg
+        if variant in ("tiled", "resident"):
             v3, w, alpha, rs, ps, query_weight, norm_weight = ctx.saved_tensors
         else:
             v3, w, out, alpha, query_weight, norm_weight = ctx.saved_tensors
         N, T, D = v3.shape
         do = dout.reshape(T, D).contiguous()
         dv = torch.empty_like(v3)
-        if variant == "tiled":
+        if variant == "resident":
+            NA, NB, BLOCK_D, warps = _resident_cfg(N, D, num_warps)
+            n_prog = min(T, res_per_sm * _sm_count(v3.device))
+        elif variant == "tiled":
             BLOCK_T, NP, BLOCK_D, warps = _tiled_cfg(N, D, block_t, block_d, num_warps, grad=True)
             # ~16 tokens per program at least, as the row design: fewer dw partial rows
             n_prog, nb = _tiled_grid(triton.cdiv(T, BLOCK_T), max(1, _BWD_ROWS // BLOCK_T), per_sm, v3.device)
@@ -424,6 +622,11 @@ class _AttnResFunction(torch.autograd.Function):
         dw_part = torch.empty((max(n_prog, 1), D), device=v3.device, dtype=torch.float32)
         if T == 0:
             dw_part.zero_()
+        elif variant == "resident":
+            _attnres_bwd_resident[(n_prog,)](
+                v3, w, do, alpha, rs, ps, dv, dw_part, T, D, N=N, NA=NA, NB=NB, BLOCK_D=BLOCK_D, PREFETCH=prefetch,
+                STAGES=stages, num_warps=warps, num_stages=stages,
+            )
         elif variant == "tiled":
             # [2, N, T] per-candidate coefficients of the split pass 2 (unused by "tile")
             scratch = torch.empty((2, N, T) if split else (1,), device=v3.device, dtype=torch.float32)
@@ -483,15 +686,22 @@ def attn_res_triton(
     if variant == "auto":
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (v, query_weight, norm_weight))
         variant = "row" if (grad and v.shape[0] > 8) else "tiled"
-    if variant == "row" and (block_t is not None or block_d is not None):
-        raise ValueError("block_t and block_d apply only to variant='tiled' (the row design keeps whole rows)")
+    if variant in ("row", "resident") and (block_t is not None or block_d is not None):
+        raise ValueError(f"block_t and block_d apply only to variant='tiled' (the {variant} design keeps whole rows)")
     if variant == "tiled":
         _tiled_cfg(v.shape[0], d, block_t, block_d, num_warps)  # tile-size errors before any launch
+    if variant == "resident":
+        _resident_cfg(v.shape[0], d, num_warps)
+    res_per_sm = RESIDENT_PROGRAMS_PER_SM
+    for name, value in (("RESIDENT_PROGRAMS_PER_SM", res_per_sm), ("RESIDENT_STAGES", RESIDENT_STAGES)):
+        if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
     if TILED_PASS2 not in ("split", "tile"):
         raise ValueError(f"TILED_PASS2 must be 'split' or 'tile', got {TILED_PASS2!r}")
     per_sm = TILED_PROGRAMS_PER_SM
     if per_sm is not None and not (isinstance(per_sm, int) and not isinstance(per_sm, bool) and per_sm > 0):
         raise ValueError(f"TILED_PROGRAMS_PER_SM must be None or a positive int, got {per_sm!r}")
     # The module settings are read once here, so the backward runs the forward's configuration.
-    cfg = (variant, block_t, block_d, num_warps, TILED_PASS2 == "split", per_sm, _TILED_CHUNK)
+    cfg = (variant, block_t, block_d, num_warps, TILED_PASS2 == "split", per_sm, _TILED_CHUNK, res_per_sm,
+           bool(RESIDENT_PREFETCH), RESIDENT_STAGES)
     return _AttnResFunction.apply(v, query_weight, norm_weight, float(eps), cfg)

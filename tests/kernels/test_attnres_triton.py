@@ -3,8 +3,8 @@
 Runs on the CPU under `TRITON_INTERPRET=1` (set in conftest.py when there is no GPU) and compiled on CUDA.
 Tolerance rule: fp32 inputs rel_err <= 1e-5 forward and 1e-4 backward against the fp32 reference; bf16 inputs
 rel_err <= 1e-2 forward and 2e-2 backward (the incoming gradient is bf16 too) against the fp32
-reference evaluated on the same bf16 values. The same rule holds for both kernel designs ("row", "tiled") and every
-tiled launch configuration tested.
+reference evaluated on the same bf16 values. The same rule holds for every kernel design ("row", "tiled",
+"resident") and every launch configuration tested.
 """
 
 import os
@@ -61,9 +61,29 @@ def test_matches_reference_forward_backward(N, lead, d, dtype, variant, block_t,
     monkeypatch.setattr(triton_attnres, "TILED_PASS2", pass2)
     monkeypatch.setattr(triton_attnres, "TILED_PROGRAMS_PER_SM", per_sm)
     monkeypatch.setattr(triton_attnres, "_TILED_CHUNK", chunk)
+    _check_against_reference(N, lead, d, dtype, variant=variant, block_t=block_t, block_d=block_d,
+                             num_warps=num_warps)
+
+
+# The resident design, forward and backward: a persistent grid (the interpreter counts 2 SMs, so 2 or 4 programs
+# walk several tokens each, and T = 1 leaves programs with none), the next token's tile prefetched into registers
+# or not, a pipelined loop (stages > 1; the interpreter runs it as written, the compiled test on the GPU runs the
+# shared-memory copies), N padded (3, 5, 9) and not, d not a power of two.
+@pytest.mark.parametrize("prefetch,stages", [(True, 1), (False, 1), (False, 2)])
+@pytest.mark.parametrize("per_sm", [1, 2])
+@pytest.mark.parametrize("N,lead,d", [(1, (5,), 16), (3, (1,), 48), (2, (3, 7), 100), (5, (13,), 200),
+                                      (9, (2, 9), 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_resident_matches_reference_forward_backward(N, lead, d, dtype, per_sm, prefetch, stages, monkeypatch):
+    monkeypatch.setattr(triton_attnres, "RESIDENT_PROGRAMS_PER_SM", per_sm)
+    monkeypatch.setattr(triton_attnres, "RESIDENT_PREFETCH", prefetch)
+    monkeypatch.setattr(triton_attnres, "RESIDENT_STAGES", stages)
+    _check_against_reference(N, lead, d, dtype, variant="resident", num_warps=None if d < 100 else 2)
+
+
+def _check_against_reference(N, lead, d, dtype, **kwargs):
     cands, q, nw = _inputs(N, lead, d, dtype, seed=N * 1000 + d)
-    out = attn_res_triton(cands, q, nw, 1e-5, variant=variant, block_t=block_t, block_d=block_d,
-                          num_warps=num_warps)
+    out = attn_res_triton(cands, q, nw, 1e-5, **kwargs)
     assert out.dtype == dtype and out.shape == (*lead, d)
     ref_in = [c.detach().float().requires_grad_() for c in cands]
     q_ref, nw_ref = q.detach().clone().requires_grad_(), nw.detach().clone().requires_grad_()
@@ -83,7 +103,8 @@ def test_matches_reference_forward_backward(N, lead, d, dtype, variant, block_t,
         assert rel_err(got.float(), want) <= tol_b, (name, rel_err(got.float(), want))
 
 
-@pytest.mark.parametrize("variant,block_t,block_d", [("row", None, None), ("tiled", None, None), ("tiled", 2, 32)])
+@pytest.mark.parametrize("variant,block_t,block_d", [("row", None, None), ("tiled", None, None), ("tiled", 2, 32),
+                                                     ("resident", None, None)])
 def test_matches_fla_naive_attnres(variant, block_t, block_d):
     fla_naive = pytest.importorskip("fla.ops.attnres.naive").naive_attnres
     cands, q, nw = _inputs(4, (6,), 48, torch.float32, seed=7)
@@ -114,7 +135,7 @@ def test_default_variant_switch(monkeypatch):
         attn_res_triton(*args, block_t=2)
 
 
-@pytest.mark.parametrize("variant", ["row", "tiled"])
+@pytest.mark.parametrize("variant", ["row", "tiled", "resident"])
 def test_stacked_input_and_errors(variant):
     cands, q, nw = _inputs(3, (4,), 32, torch.float32, seed=3)
     stacked = torch.stack([c.detach() for c in cands])
@@ -133,6 +154,8 @@ def test_stacked_input_and_errors(variant):
     [
         (dict(variant="blocked"), "variant"),
         (dict(variant="row", block_d=64), "block_t and block_d"),
+        (dict(variant="resident", block_t=2), "block_t and block_d"),
+        (dict(variant="resident", num_warps=48), "num_warps"),
         (dict(variant="tiled", block_t=3), "block_t"),
         (dict(variant="tiled", block_t=0), "block_t"),
         (dict(variant="tiled", block_t=32), "block_t"),
@@ -150,8 +173,17 @@ def test_bad_launch_arguments(kwargs, match):
         attn_res_triton([c.detach() for c in cands], q.detach(), nw.detach(), **kwargs)
 
 
+def test_resident_refuses_a_tile_too_wide():
+    # K3's widest case, 9 candidates of d = 7168: [16, 8192] per token does not fit one program's registers.
+    v = torch.zeros(9, 1, 7168, device=DEVICE)
+    w = torch.ones(7168, device=DEVICE)
+    with pytest.raises(ValueError, match="variant='tiled'"):
+        attn_res_triton(v, w, w, variant="resident")
+
+
 @pytest.mark.parametrize("name,value", [("TILED_PASS2", "both"), ("TILED_PROGRAMS_PER_SM", 0),
-                                        ("TILED_PROGRAMS_PER_SM", 1.5)])
+                                        ("TILED_PROGRAMS_PER_SM", 1.5), ("RESIDENT_PROGRAMS_PER_SM", 0),
+                                        ("RESIDENT_PROGRAMS_PER_SM", None), ("RESIDENT_STAGES", 0)])
 def test_bad_module_settings(monkeypatch, name, value):
     cands, q, nw = _inputs(2, (3,), 16, torch.float32, seed=9)
     monkeypatch.setattr(triton_attnres, name, value)
