@@ -326,14 +326,13 @@ def _attnres_fwd_resident(
 
 
 @triton.jit
-def _resident_group_stats(v, do, ALPHA, RS, PS, t, T, ROW0: tl.constexpr, NR: tl.constexpr, N: tl.constexpr):
-    """One row group of the backward: dalpha_i = <dout, v_i> and the group's alpha_i, r_i, p_i, all `[NR]`."""
+def _resident_saved(ALPHA, RS, PS, t, T, ROW0: tl.constexpr, NR: tl.constexpr, N: tl.constexpr):
+    """The forward's alpha_i, r_i, p_i of a row group of token t, each `[NR]` (zeros when t >= T)."""
     i = ROW0 + tl.arange(0, NR)
     sidx = i * T + t  # [NR] into the [N, T] buffers
-    alpha = tl.load(ALPHA + sidx, mask=i < N, other=0.0)
-    r = tl.load(RS + sidx, mask=i < N, other=0.0)
-    p = tl.load(PS + sidx, mask=i < N, other=0.0)
-    return tl.sum(v * do, axis=1), alpha, r, p
+    ok = (i < N) & (tl.full([NR], t, tl.int32) < T)
+    return (tl.load(ALPHA + sidx, mask=ok, other=0.0), tl.load(RS + sidx, mask=ok, other=0.0),
+            tl.load(PS + sidx, mask=ok, other=0.0))
 
 
 @triton.jit
@@ -384,14 +383,18 @@ def _attnres_bwd_resident(
             do = _resident_load(DO, do_rows, dmask[None, :], t, T, D, 1)
             if NB > 0:
                 vb = _resident_load(V, rows_b, mask_b, t, T, D, NB)
+        # Loaded here, not under `if t < T`: Triton's pipeliner leaves a loop alone when it has loads in a branch.
+        aa, ra, pa = _resident_saved(ALPHA, RS, PS, t, T, 0, NA, N)
+        if NB > 0:
+            ab, rb, pb = _resident_saved(ALPHA, RS, PS, t, T, NA, NB, N)
         if t < T:
             fa = va.to(tl.float32)
             fdo = do.to(tl.float32)  # [1, BLOCK_D]
-            da, aa, ra, pa = _resident_group_stats(fa, fdo, ALPHA, RS, PS, t, T, 0, NA, N)
+            da = tl.sum(fa * fdo, axis=1)  # [NA]: dalpha_i = <dout, v_i>
             s = tl.sum(aa * da, axis=0)
             if NB > 0:
                 fb = vb.to(tl.float32)
-                db, ab, rb, pb = _resident_group_stats(fb, fdo, ALPHA, RS, PS, t, T, NA, NB, N)
+                db = tl.sum(fb * fdo, axis=1)
                 s += tl.sum(ab * db, axis=0)
                 dw += _resident_dv_store(fb, fdo, w, db, ab, rb, pb, s, DV, rows_b, mask_b, t, D)
             dw += _resident_dv_store(fa, fdo, w, da, aa, ra, pa, s, DV, rows_a, mask_a, t, D)
