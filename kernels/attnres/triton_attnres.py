@@ -561,6 +561,14 @@ def _resident_cfg(N: int, D: int, num_warps):
     return NA, NB, BLOCK_D, num_warps
 
 
+_SHARED_BUDGET = 200 * 1024  # of the H200's 227 KB a block may use, leaving room for the reductions' scratch
+
+
+def _resident_stages(stages: int, rows: int, block_d: int, itemsize: int) -> int:
+    """`stages` lowered until its pipeline buffers (one `[rows, block_d]` tile a stage) fit shared memory."""
+    return max(1, min(stages, _SHARED_BUDGET // (rows * block_d * itemsize)))
+
+
 class _AttnResFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, v, query_weight, norm_weight, eps, cfg):
@@ -580,9 +588,10 @@ class _AttnResFunction(torch.autograd.Function):
             ps = torch.empty((N, T), device=v.device, dtype=torch.float32) if grad else alpha
             if T > 0 and variant == "resident":
                 NA, NB, BLOCK_D, warps = _resident_cfg(N, D, num_warps)
+                st = _resident_stages(stages, NA + NB, BLOCK_D, v3.element_size())
                 _attnres_fwd_resident[(min(T, res_per_sm * _sm_count(v.device)),)](
                     v3, w, out, alpha, rs, ps, T, D, eps, N=N, NA=NA, NB=NB, SAVE_STATS=grad, BLOCK_D=BLOCK_D,
-                    PREFETCH=prefetch, STAGES=stages, num_warps=warps, num_stages=stages,
+                    PREFETCH=prefetch, STAGES=st, num_warps=warps, num_stages=st,
                 )
             elif T > 0:
                 BLOCK_T, NP, BLOCK_D, warps = _tiled_cfg(N, D, block_t, block_d, num_warps, grad)
@@ -616,6 +625,7 @@ class _AttnResFunction(torch.autograd.Function):
         if variant == "resident":
             NA, NB, BLOCK_D, warps = _resident_cfg(N, D, num_warps)
             n_prog = min(T, res_per_sm * _sm_count(v3.device))
+            st = _resident_stages(stages, NA + NB + 1, BLOCK_D, v3.element_size())  # + the dout row
         elif variant == "tiled":
             BLOCK_T, NP, BLOCK_D, warps = _tiled_cfg(N, D, block_t, block_d, num_warps, grad=True)
             # ~16 tokens per program at least, as the row design: fewer dw partial rows
@@ -628,7 +638,7 @@ class _AttnResFunction(torch.autograd.Function):
         elif variant == "resident":
             _attnres_bwd_resident[(n_prog,)](
                 v3, w, do, alpha, rs, ps, dv, dw_part, T, D, N=N, NA=NA, NB=NB, BLOCK_D=BLOCK_D, PREFETCH=prefetch,
-                STAGES=stages, num_warps=warps, num_stages=stages,
+                STAGES=st, num_warps=warps, num_stages=st,
             )
         elif variant == "tiled":
             # [2, N, T] per-candidate coefficients of the split pass 2 (unused by "tile")

@@ -189,3 +189,13 @@ def test_bad_module_settings(monkeypatch, name, value):
     monkeypatch.setattr(triton_attnres, name, value)
     with pytest.raises(ValueError, match=name):
         attn_res_triton([c.detach() for c in cands], q.detach(), nw.detach(), variant="tiled")
+
+
+def test_resident_stages_fit_shared_memory():
+    # One [rows, next_pow2(d)] tile a stage in shared memory: N = 3 (3 rows of 8192 bf16, 48 KB) keeps 3 stages,
+    # the N = 6 backward (6 rows and dout, 112 KB) drops to 1 (no pipeline) rather than fail to launch, fp32 halves.
+    assert triton_attnres._resident_stages(3, 3, 8192, 2) == 3
+    assert triton_attnres._resident_stages(2, 7, 8192, 2) == 1
+    assert triton_attnres._resident_stages(2, 6, 8192, 2) == 2
+    assert triton_attnres._resident_stages(4, 3, 8192, 4) == 2
+    assert triton_attnres._resident_stages(1, 1, 64, 4) == 1
