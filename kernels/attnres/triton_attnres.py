@@ -64,12 +64,15 @@ __all__ = ["attn_res_triton", "DEFAULT_VARIANT", "VARIANTS", "TILED_PASS2", "TIL
 
 VARIANTS = ("row", "tiled", "resident")
 # Design used when `attn_res_triton` is called without `variant=` (as `k3_kernels.dispatch` does). "auto" = the
-# faster one as measured on the H200 (BENCHMARKS.md, fourth session; T = 8K, d = 7168, bf16): "tiled" for the
-# forward at every N (N = 3 / 6 / 9: 0.149 / 0.333 / 0.481 ms against the row design's 0.257 / 0.453 / 0.687)
-# and for forward + backward up to 8 candidates (N = 3 / 6: 0.578 / 1.126 against 0.749 / 1.238 ms), "row" for
-# forward + backward above 8 (N = 9: 1.737 against the best tiled 1.894 ms: its backward's second sweep over
-# dout and all nine candidates misses L2 more).
+# faster one as measured on the H200 (T = 8K, d = 7168, bf16; BENCHMARKS.md, fourth and fifteenth sessions):
+# - forward only: "resident" up to RESIDENT_MAX_N candidates (N = 3 / 6: 0.130 / 0.316 ms against the tiled
+#   0.148 / 0.333), "tiled" above (N = 9: 0.481 ms against the row design's 0.687);
+# - forward + backward: "resident" up to RESIDENT_MAX_N_GRAD (N = 3: 0.540 ms against the tiled 0.588; at N = 6 its
+#   backward spills and loses, 1.410 against 1.123), "tiled" up to 8, "row" above (N = 9: 1.734 against the best
+#   tiled 1.898 ms: its backward's second sweep over dout and all nine candidates misses L2 more).
 DEFAULT_VARIANT = "auto"
+RESIDENT_MAX_N = 6
+RESIDENT_MAX_N_GRAD = 3
 # "tiled" tokens per program when block_t is not given (block_t = 2 was slower at every N measured).
 DEFAULT_TILED_BLOCK_T = 1
 # How the tiled kernels' second d-sweep reads the candidates: "split" = N separate [BLOCK_T, BLOCK_D] loads per
@@ -86,9 +89,13 @@ _TILED_CHUNK = 256
 # "resident": programs per SM of its persistent grid; whether each program loads its next token's tile into
 # registers before reducing the current one (PREFETCH); software-pipeline stages of its token loop (> 1: the next
 # tiles are copied to shared memory asynchronously). `benchmarks/attnres.py --variants --resident ...` sweeps them.
-RESIDENT_PROGRAMS_PER_SM = 2
-RESIDENT_PREFETCH = True
-RESIDENT_STAGES = 1
+# None = the measured rule (H200, fifteenth session, 16 warps): the register prefetch up to 3 rows a token (N = 3:
+# forward 0.130 ms, 0.134 / 0.132 pipelined with 2 / 3 stages; forward + backward 0.540 against 0.657 / 0.700), a
+# 2-stage pipeline above (N = 6: 0.316 ms; the register prefetch spills, 0.955).
+RESIDENT_PROGRAMS_PER_SM = 1
+RESIDENT_PREFETCH = None
+RESIDENT_STAGES = None
+_RESIDENT_PREFETCH_ROWS = 3
 _MAX_TILE = 1 << 16  # elements of one [BLOCK_T, NP, BLOCK_D] tile: beyond this the registers spill hopelessly
 
 
@@ -546,19 +553,39 @@ def _tiled_cfg(N: int, D: int, block_t, block_d, num_warps, grad: bool = False):
     return block_t, NP, block_d, num_warps
 
 
+def _resident_rows(N: int) -> tuple[int, int]:
+    NA = 1 << (N.bit_length() - 1)  # the largest power of two <= N
+    return NA, 0 if N == NA else triton.next_power_of_2(N - NA)
+
+
+def _resident_fits(N: int, D: int) -> bool:
+    return sum(_resident_rows(N)) * max(16, triton.next_power_of_2(D)) <= _MAX_TILE
+
+
 def _resident_cfg(N: int, D: int, num_warps):
     """(NA, NB, BLOCK_D, num_warps) of the resident kernels: one token's rows as two power-of-two groups."""
-    NA = 1 << (N.bit_length() - 1)  # the largest power of two <= N
-    NB = 0 if N == NA else triton.next_power_of_2(N - NA)
+    NA, NB = _resident_rows(N)
     BLOCK_D = max(16, triton.next_power_of_2(D))
-    if (NA + NB) * BLOCK_D > _MAX_TILE:
+    if not _resident_fits(N, D):
         raise ValueError(
             f"variant='resident' keeps a token's {NA + NB} (padded) rows of next_pow2(d) = {BLOCK_D} in one program, "
             f"at most {_MAX_TILE} elements: use variant='tiled'"
         )
     if num_warps is None:
-        num_warps = max(1, min(32, (NA + NB) * BLOCK_D // (32 * 64)))  # ~64 values of the tile per thread
+        # ~64 values of the tile per thread, at most 16 warps (16 beat 32 at N = 3 and 6 on the H200: 0.130 / 0.316
+        # against 0.191 / 0.425 ms at their best, fifteenth session)
+        num_warps = min(16, triton.next_power_of_2(max(1, (NA + NB) * BLOCK_D // (32 * 64))))
     return NA, NB, BLOCK_D, num_warps
+
+
+def _resident_schedule(rows: int, prefetch, stages) -> tuple[bool, int]:
+    """(register prefetch, pipeline stages) of the resident kernels for `rows` (padded) rows a token; None = the
+    measured rule (`RESIDENT_PREFETCH`)."""
+    if prefetch is None:
+        prefetch = rows <= _RESIDENT_PREFETCH_ROWS and not (stages is not None and stages > 1)
+    if stages is None:
+        stages = 1 if prefetch else 2
+    return bool(prefetch), stages
 
 
 _SHARED_BUDGET = 200 * 1024  # of the H200's 227 KB a block may use, leaving room for the reductions' scratch
@@ -588,6 +615,7 @@ class _AttnResFunction(torch.autograd.Function):
             ps = torch.empty((N, T), device=v.device, dtype=torch.float32) if grad else alpha
             if T > 0 and variant == "resident":
                 NA, NB, BLOCK_D, warps = _resident_cfg(N, D, num_warps)
+                prefetch, stages = _resident_schedule(NA + NB, prefetch, stages)
                 st = _resident_stages(stages, NA + NB, BLOCK_D, v3.element_size())
                 _attnres_fwd_resident[(min(T, res_per_sm * _sm_count(v.device)),)](
                     v3, w, out, alpha, rs, ps, T, D, eps, N=N, NA=NA, NB=NB, SAVE_STATS=grad, BLOCK_D=BLOCK_D,
@@ -625,6 +653,7 @@ class _AttnResFunction(torch.autograd.Function):
         if variant == "resident":
             NA, NB, BLOCK_D, warps = _resident_cfg(N, D, num_warps)
             n_prog = min(T, res_per_sm * _sm_count(v3.device))
+            prefetch, stages = _resident_schedule(NA + NB, prefetch, stages)
             st = _resident_stages(stages, NA + NB + 1, BLOCK_D, v3.element_size())  # + the dout row
         elif variant == "tiled":
             BLOCK_T, NP, BLOCK_D, warps = _tiled_cfg(N, D, block_t, block_d, num_warps, grad=True)
@@ -672,10 +701,10 @@ def attn_res_triton(
 ):
     """Drop-in for `reference.attn_res` on CUDA (or under `TRITON_INTERPRET=1`): list or stacked `[N, ..., d]`.
 
-    `variant`: "row", "tiled" (see the module docstring) or "auto" (the faster for this call: "row" only when
-    gradients are needed and there are more than 8 candidates), None = `DEFAULT_VARIANT`. `block_t` (tokens per
-    program, 1..16) and `block_d` (d-slice width, 16..16384), powers of two, apply to "tiled" only; `num_warps`
-    (power of two, 1..32) to both. None picks the defaults.
+    `variant`: "row", "tiled", "resident" (see the module docstring) or "auto" (the faster for this call as
+    measured, see `DEFAULT_VARIANT`; "tiled" when `block_t` or `block_d` is given), None = `DEFAULT_VARIANT`.
+    `block_t` (tokens per program, 1..16) and `block_d` (d-slice width, 16..16384), powers of two, apply to "tiled"
+    only; `num_warps` (power of two, 1..32) to all. None picks the defaults.
     """
     variant = DEFAULT_VARIANT if variant is None else variant
     if variant not in VARIANTS + ("auto",):
@@ -698,7 +727,13 @@ def attn_res_triton(
         raise ValueError(f"attn_res_triton supports 1 to at most 16 depth candidates, got {v.shape[0]}")
     if variant == "auto":
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (v, query_weight, norm_weight))
-        variant = "row" if (grad and v.shape[0] > 8) else "tiled"
+        N = v.shape[0]
+        if grad:
+            variant = "resident" if N <= RESIDENT_MAX_N_GRAD else "tiled" if N <= 8 else "row"
+        else:
+            variant = "resident" if N <= RESIDENT_MAX_N else "tiled"
+        if variant == "resident" and (block_t is not None or block_d is not None or not _resident_fits(N, d)):
+            variant = "tiled"  # slice sizes asked for, or a token too wide for one program
     if variant in ("row", "resident") and (block_t is not None or block_d is not None):
         raise ValueError(f"block_t and block_d apply only to variant='tiled' (the {variant} design keeps whole rows)")
     if variant == "tiled":
@@ -706,9 +741,10 @@ def attn_res_triton(
     if variant == "resident":
         _resident_cfg(v.shape[0], d, num_warps)
     res_per_sm = RESIDENT_PROGRAMS_PER_SM
-    for name, value in (("RESIDENT_PROGRAMS_PER_SM", res_per_sm), ("RESIDENT_STAGES", RESIDENT_STAGES)):
-        if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    for name, value, none_ok in (("RESIDENT_PROGRAMS_PER_SM", res_per_sm, False),
+                                 ("RESIDENT_STAGES", RESIDENT_STAGES, True)):
+        if not ((none_ok and value is None) or (isinstance(value, int) and not isinstance(value, bool) and value > 0)):
+            raise ValueError(f"{name} must be a positive int{' or None' if none_ok else ''}, got {value!r}")
     if TILED_PASS2 not in ("split", "tile"):
         raise ValueError(f"TILED_PASS2 must be 'split' or 'tile', got {TILED_PASS2!r}")
     per_sm = TILED_PROGRAMS_PER_SM
@@ -716,5 +752,5 @@ def attn_res_triton(
         raise ValueError(f"TILED_PROGRAMS_PER_SM must be None or a positive int, got {per_sm!r}")
     # The module settings are read once here, so the backward runs the forward's configuration.
     cfg = (variant, block_t, block_d, num_warps, TILED_PASS2 == "split", per_sm, _TILED_CHUNK, res_per_sm,
-           bool(RESIDENT_PREFETCH), RESIDENT_STAGES)
+           RESIDENT_PREFETCH, RESIDENT_STAGES)
     return _AttnResFunction.apply(v, query_weight, norm_weight, float(eps), cfg)

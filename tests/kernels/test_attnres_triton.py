@@ -69,7 +69,7 @@ def test_matches_reference_forward_backward(N, lead, d, dtype, variant, block_t,
 # walk several tokens each, and T = 1 leaves programs with none), the next token's tile prefetched into registers
 # or not, a pipelined loop (stages > 1; the interpreter runs it as written, the compiled test on the GPU runs the
 # shared-memory copies), N padded (3, 5, 9) and not, d not a power of two.
-@pytest.mark.parametrize("prefetch,stages", [(True, 1), (False, 1), (False, 2)])
+@pytest.mark.parametrize("prefetch,stages", [(True, 1), (False, 1), (False, 2), (None, None)])
 @pytest.mark.parametrize("per_sm", [1, 2])
 @pytest.mark.parametrize("N,lead,d", [(1, (5,), 16), (3, (1,), 48), (2, (3, 7), 100), (5, (13,), 200),
                                       (9, (2, 9), 64)])
@@ -115,9 +115,35 @@ def test_matches_fla_naive_attnres(variant, block_t, block_d):
     assert rel_err(got, want) <= 1e-5
 
 
+@pytest.mark.parametrize("N,d,grad,want", [
+    (3, 40, False, "resident"), (6, 40, False, "resident"), (7, 40, False, "tiled"), (9, 40, False, "tiled"),
+    (3, 40, True, "resident"), (4, 40, True, "tiled"), (9, 40, True, "row"),
+    (6, 16384, False, "tiled"),  # 8 rows of 16384 do not fit one program
+])
+def test_auto_follows_the_measured_rule(N, d, grad, want, monkeypatch):
+    seen = []
+    apply = triton_attnres._AttnResFunction.apply
+    monkeypatch.setattr(triton_attnres._AttnResFunction, "apply",
+                        lambda *a: seen.append(a[-1][0]) or apply(*a))
+    v = torch.randn(N, 2, d, device=DEVICE, requires_grad=grad)
+    w = torch.ones(d, device=DEVICE)
+    attn_res_triton(v, w, w)
+    assert seen == [want]
+
+
+def test_resident_schedule_rule():
+    # measured: the register prefetch for up to 3 rows a token, a 2-stage pipeline above; explicit settings win
+    assert triton_attnres._resident_schedule(3, None, None) == (True, 1)
+    assert triton_attnres._resident_schedule(6, None, None) == (False, 2)
+    assert triton_attnres._resident_schedule(3, None, 3) == (False, 3)
+    assert triton_attnres._resident_schedule(6, True, None) == (True, 1)
+    assert triton_attnres._resident_schedule(3, False, 1) == (False, 1)
+
+
 def test_default_variant_switch(monkeypatch):
     """block_t is refused by the row design and accepted by the tiled one, which shows which design runs: "auto"
-    (the default) takes "tiled" except for forward + backward over more than 8 candidates."""
+    (the default) takes "tiled" when slice sizes are given, "row" for forward + backward over more than 8
+    candidates."""
     cands, q, nw = _inputs(3, (5,), 40, torch.float32, seed=11)
     args = ([c.detach() for c in cands], q.detach(), nw.detach())
     assert triton_attnres.DEFAULT_VARIANT == "auto"
