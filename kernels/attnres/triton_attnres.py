@@ -45,11 +45,12 @@ Three designs of the same maths, chosen with `attn_res_triton(..., variant=)` (d
   (BLOCK_T at a time) and adds its dw slice partials into its own fp32 row of a `[programs, d]` buffer (a
   barrier between token blocks orders the read-modify-writes), summed by torch: deterministic, no atomics.
 * "resident" (`_attnres_fwd_resident` / `_attnres_bwd_resident`): a persistent grid whose programs each hold one
-  token's whole `[NP, next_pow2(d)]` tile of all candidates in registers, so the forward's statistics, softmax
-  and mix, and the backward's dalpha_i and dv_i, read it once, with no second sweep to hope for L2 on; the next
-  token's tile is loaded before the current one is reduced (`RESIDENT_PREFETCH`). The forward saves r_i and p_i
-  as the tiled one does; the backward keeps dw in registers, one partial row per program. Only where the tile
-  fits a program's registers (NP * next_pow2(d) <= 64K elements: N <= 8 at K3's d = 7168).
+  token's whole tile of all candidates (two power-of-two row groups of next_pow2(d)), so the forward's
+  statistics, softmax and mix, and the backward's dalpha_i and dv_i, read it once, with no second sweep to hope
+  for L2 on. The next token's tile is in flight while one is reduced: loaded into registers beforehand
+  (`RESIDENT_PREFETCH`) or copied into shared memory by Triton's software pipeline (`RESIDENT_STAGES`). The
+  forward saves r_i and p_i as the tiled one does; the backward keeps dw in registers, one partial row per
+  program. Only where the tile fits one program (rows * next_pow2(d) <= 64K elements: N <= 8 at K3's d = 7168).
 
 Triton is imported here, so import this module only where Triton is available (see `k3_kernels.dispatch`).
 """
@@ -246,7 +247,6 @@ def _attnres_fwd_tiled(
                          mask=tmask[:, None] & dmask[None, :])
 
 
-
 @triton.jit
 def _resident_offsets(T, D, ROW0: tl.constexpr, NR: tl.constexpr, N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Offsets `[NR, BLOCK_D]` of v[ROW0 + j, 0, :] and their mask (rows past N and columns past D off)."""
@@ -259,6 +259,24 @@ def _resident_offsets(T, D, ROW0: tl.constexpr, NR: tl.constexpr, N: tl.constexp
 def _resident_load(V, rows, mask, t, T, D, NR: tl.constexpr):
     """Token t's `[NR, BLOCK_D]` rows (zeros when t >= T)."""
     return tl.load(V + rows + t.to(tl.int64) * D, mask=mask & (tl.full([NR, 1], t, tl.int32) < T), other=0.0)
+
+
+@triton.jit
+def _resident_logits(f, w, D, eps, ROW0: tl.constexpr, NR: tl.constexpr, N: tl.constexpr):
+    """r_i, p_i and logit_i `[NR]` of a row group `f` `[NR, BLOCK_D]` fp32 (padded rows get logit -inf)."""
+    r = 1.0 / tl.sqrt(tl.sum(f * f, axis=1) / D + eps)
+    p = tl.sum(f * w, axis=1)
+    return r, p, tl.where(ROW0 + tl.arange(0, NR) < N, r * p, float("-inf"))
+
+
+@triton.jit
+def _resident_store_stats(ALPHA, RS, PS, alpha, r, p, t, T, SAVE_STATS: tl.constexpr, ROW0: tl.constexpr,
+                          NR: tl.constexpr, N: tl.constexpr):
+    i = ROW0 + tl.arange(0, NR)
+    tl.store(ALPHA + i * T + t, alpha, mask=i < N)
+    if SAVE_STATS:
+        tl.store(RS + i * T + t, r, mask=i < N)
+        tl.store(PS + i * T + t, p, mask=i < N)
 
 
 @triton.jit
@@ -298,18 +316,12 @@ def _attnres_fwd_resident(
             if NB > 0:
                 vb = _resident_load(V, rows_b, mask_b, t, T, D, NB)
         if t < T:
-            ia = tl.arange(0, NA)
             fa = va.to(tl.float32)
-            ra = 1.0 / tl.sqrt(tl.sum(fa * fa, axis=1) / D + eps)  # [NA]
-            pa = tl.sum(fa * w, axis=1)
-            la = tl.where(ia < N, ra * pa, float("-inf"))  # padded candidates get no weight
+            ra, pa, la = _resident_logits(fa, w, D, eps, 0, NA, N)  # [NA]
             m = tl.max(la, axis=0)
             if NB > 0:
-                ib = NA + tl.arange(0, NB)
                 fb = vb.to(tl.float32)
-                rb = 1.0 / tl.sqrt(tl.sum(fb * fb, axis=1) / D + eps)  # [NB]
-                pb = tl.sum(fb * w, axis=1)
-                lb = tl.where(ib < N, rb * pb, float("-inf"))
+                rb, pb, lb = _resident_logits(fb, w, D, eps, NA, NB, N)  # [NB]
                 m = tl.maximum(m, tl.max(lb, axis=0))
                 eb = tl.exp(lb - m)
             ea = tl.exp(la - m)
@@ -318,17 +330,11 @@ def _attnres_fwd_resident(
                 den += tl.sum(eb, axis=0)
             aa = ea / den
             out = tl.sum(aa[:, None] * fa, axis=0)  # [BLOCK_D]
-            tl.store(ALPHA + ia * T + t, aa, mask=ia < N)
-            if SAVE_STATS:
-                tl.store(RS + ia * T + t, ra, mask=ia < N)
-                tl.store(PS + ia * T + t, pa, mask=ia < N)
+            _resident_store_stats(ALPHA, RS, PS, aa, ra, pa, t, T, SAVE_STATS, 0, NA, N)
             if NB > 0:
                 ab = eb / den
                 out += tl.sum(ab[:, None] * fb, axis=0)
-                tl.store(ALPHA + ib * T + t, ab, mask=ib < N)
-                if SAVE_STATS:
-                    tl.store(RS + ib * T + t, rb, mask=ib < N)
-                    tl.store(PS + ib * T + t, pb, mask=ib < N)
+                _resident_store_stats(ALPHA, RS, PS, ab, rb, pb, t, T, SAVE_STATS, NA, NB, N)
             tl.store(O + t.to(tl.int64) * D + offs_d, out.to(O.dtype.element_ty), mask=dmask)
 
 
