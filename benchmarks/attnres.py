@@ -118,7 +118,7 @@ def _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident,
         runs = [("row", (None, None, None), ("-", None))]
         cfgs = tiled_configs(N, max_configs) if tiled is None else tiled
         runs += [("tiled", c, (form, k)) for form in pass2 for k in per_sm for c in cfgs]
-        if triton.next_power_of_2(N) * triton.next_power_of_2(d) <= triton_attnres._MAX_TILE:
+        if triton_attnres._resident_fits(N, d):
             runs += [("resident", (None, None, w), (f"prefetch={int(pf)} stages={st}", k)) for w, pf, k, st in resident]
         for variant, cfg, form in runs:
             bt, bd, warps = cfg
