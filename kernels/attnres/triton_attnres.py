@@ -602,6 +602,14 @@ def _resident_stages(stages: int, rows: int, block_d: int, itemsize: int) -> int
     return max(1, min(stages, _SHARED_BUDGET // (rows * block_d * itemsize)))
 
 
+def _resident_launch(N: int, D: int, num_warps, prefetch, stages, extra_rows: int, itemsize: int):
+    """(NA, NB, BLOCK_D, num_warps, prefetch, stages) of a resident kernel whose token tile has `extra_rows` rows
+    beside the candidates' (the backward's dout row)."""
+    NA, NB, BLOCK_D, warps = _resident_cfg(N, D, num_warps)
+    prefetch, stages = _resident_schedule(NA + NB, prefetch, stages)
+    return NA, NB, BLOCK_D, warps, prefetch, _resident_stages(stages, NA + NB + extra_rows, BLOCK_D, itemsize)
+
+
 class _AttnResFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, v, query_weight, norm_weight, eps, cfg):
@@ -620,9 +628,8 @@ class _AttnResFunction(torch.autograd.Function):
             rs = torch.empty((N, T), device=v.device, dtype=torch.float32) if grad else alpha
             ps = torch.empty((N, T), device=v.device, dtype=torch.float32) if grad else alpha
             if T > 0 and variant == "resident":
-                NA, NB, BLOCK_D, warps = _resident_cfg(N, D, num_warps)
-                prefetch, stages = _resident_schedule(NA + NB, prefetch, stages)
-                st = _resident_stages(stages, NA + NB, BLOCK_D, v3.element_size())
+                NA, NB, BLOCK_D, warps, prefetch, st = _resident_launch(N, D, num_warps, prefetch, stages, 0,
+                                                                        v3.element_size())
                 _attnres_fwd_resident[(min(T, res_per_sm * _sm_count(v.device)),)](
                     v3, w, out, alpha, rs, ps, T, D, eps, N=N, NA=NA, NB=NB, SAVE_STATS=grad, BLOCK_D=BLOCK_D,
                     PREFETCH=prefetch, STAGES=st, num_warps=warps, num_stages=st,
@@ -657,10 +664,9 @@ class _AttnResFunction(torch.autograd.Function):
         do = dout.reshape(T, D).contiguous()
         dv = torch.empty_like(v3)
         if variant == "resident":
-            NA, NB, BLOCK_D, warps = _resident_cfg(N, D, num_warps)
+            NA, NB, BLOCK_D, warps, prefetch, st = _resident_launch(N, D, num_warps, prefetch, stages, 1,
+                                                                    v3.element_size())  # + the dout row
             n_prog = min(T, res_per_sm * _sm_count(v3.device))
-            prefetch, stages = _resident_schedule(NA + NB, prefetch, stages)
-            st = _resident_stages(stages, NA + NB + 1, BLOCK_D, v3.element_size())  # + the dout row
         elif variant == "tiled":
             BLOCK_T, NP, BLOCK_D, warps = _tiled_cfg(N, D, block_t, block_d, num_warps, grad=True)
             # ~16 tokens per program at least, as the row design: fewer dw partial rows
