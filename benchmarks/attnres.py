@@ -33,7 +33,18 @@ from k3_kernels.attnres.reference import attn_res
 from k3_kernels.attnres import triton_attnres
 from k3_kernels.attnres.triton_attnres import attn_res_triton
 
-PEAK_TBS = 4.27
+PEAK_TBS = 4.27  # the H200's copy bandwidth (read + write); on a GPU the run measures its own, see copy_tbs
+
+
+def copy_tbs(device="cuda") -> float:
+    """The ceiling the tables divide by: this GPU's device-to-device copy of 1 GiB (bytes read + written), measured
+    in the same run (4.27 TB/s on the H200, 3.00 on the H100); the nominal H200 figure for the CPU smoke run."""
+    if device != "cuda":
+        return PEAK_TBS
+    x = torch.empty(1 << 30, device=device, dtype=torch.uint8)
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x))
+    return 2 * x.numel() / ms / 1e9
 
 
 def sweep_warps(T, d, N=9):
@@ -82,23 +93,26 @@ def _timer(device):
     return once
 
 
-_SETTINGS = ("TILED_PASS2", "TILED_PROGRAMS_PER_SM", "RESIDENT_PREFETCH", "RESIDENT_PROGRAMS_PER_SM", "RESIDENT_STAGES")
+_SETTINGS = ("TILED_PASS2", "TILED_PROGRAMS_PER_SM", "RESIDENT_PREFETCH", "RESIDENT_PROGRAMS_PER_SM", "RESIDENT_STAGES",
+             "COOP_PREFETCH", "COOP_PROGRAMS_PER_SM")
 
 
-def compare_variants(T, d, device="cuda", max_configs=20, pass2=("split",), per_sm=(None,), tiled=None, resident=()):
+def compare_variants(T, d, device="cuda", max_configs=20, pass2=("split",), per_sm=(None,), tiled=None, resident=(),
+                     coop=()):
     """"row" (default launch) vs "tiled" over `tiled_configs` or the given `tiled` (block_t, block_d, num_warps)
     list (and each `TILED_PASS2` form in `pass2`) vs "resident" over `resident` (num_warps, prefetch,
-    programs per SM, stages) where a token's tile fits, stacked [N, T, d] bf16, N = 3, 6, 9."""
+    programs per SM, stages) where a token's tile fits vs "cooperative" over `coop` (num_warps, block_d, prefetch,
+    programs per SM), stacked [N, T, d] bf16, N = 3, 6, 9."""
     bench = _timer(device)
     before = {k: getattr(triton_attnres, k) for k in _SETTINGS}
     try:
-        _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident, bench)
+        _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident, coop, bench)
     finally:
         for k, v in before.items():
             setattr(triton_attnres, k, v)
 
 
-def _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident, bench):
+def _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident, coop, bench):
     rows = []
     best = {}
     for N in (3, 6, 9):
@@ -120,6 +134,7 @@ def _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident,
         runs += [("tiled", c, (form, k)) for form in pass2 for k in per_sm for c in cfgs]
         if triton_attnres._resident_fits(N, d):
             runs += [("resident", (None, None, w), (f"prefetch={int(pf)} stages={st}", k)) for w, pf, k, st in resident]
+        runs += [("cooperative", (None, bd, w), (f"prefetch={int(pf)}", k)) for w, bd, pf, k in coop]
         for variant, cfg, form in runs:
             bt, bd, warps = cfg
             kw = dict(variant=variant, block_t=bt, block_d=bd, num_warps=warps)
@@ -131,6 +146,9 @@ def _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident,
                 triton_attnres.RESIDENT_PREFETCH = pf == "prefetch=1"
                 triton_attnres.RESIDENT_STAGES = int(st.split("=")[1])
                 triton_attnres.RESIDENT_PROGRAMS_PER_SM = form[1]
+            if variant == "cooperative":
+                triton_attnres.COOP_PREFETCH = form[0] == "prefetch=1"
+                triton_attnres.COOP_PROGRAMS_PER_SM = form[1]
             try:
                 with torch.no_grad():
                     err = ((attn_res_triton(stacked, q, nw, 1e-5, **kw).float() - ref).abs().max() / scale).item()
@@ -165,16 +183,17 @@ def _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident,
                         best[N, key] = (ms, cfg, form, variant)
         del stacked, ref, v_leaf, grads_row
     dev = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
+    peak = copy_tbs(device)
     print(f"\nAttnRes variants, T = {T}, d = {d}, bf16, stacked input, {dev}, torch {torch.__version__}, "
           f"triton {triton.__version__}\n", flush=True)
     print("| N | variant | pass2, programs/SM | block_t | block_d | num_warps | rel err | grad rel err vs row | fwd ms "
-          "| fwd TB/s | fwd % of 4.27 | fwd+bwd ms | fwd+bwd TB/s | fwd+bwd % |")
+          f"| fwd TB/s | fwd % of {peak:.2f} | fwd+bwd ms | fwd+bwd TB/s | fwd+bwd % |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for N, variant, form, bt, bd, warps, err, gerr, f, fbw, fb, fbbw, ok in rows:
         show = lambda x: "default" if x is None else x  # noqa: E731
         print(f"| {N} | {variant}{ok} | {form[0]}, {show(form[1])} | {show(bt)} | {show(bd)} | {show(warps)} | "
-              f"{err:.1e} | {gerr:.1e} | {f:.3f} | {fbw:.2f} | {100 * fbw / PEAK_TBS:.0f} % | {fb:.3f} | {fbbw:.2f} | "
-              f"{100 * fbbw / PEAK_TBS:.0f} % |")
+              f"{err:.1e} | {gerr:.1e} | {f:.3f} | {fbw:.2f} | {100 * fbw / peak:.0f} % | {fb:.3f} | {fbbw:.2f} | "
+              f"{100 * fbbw / peak:.0f} % |")
     print(flush=True)
     for N in (3, 6, 9):
         for key in ("fwd", "fwd+bwd"):
@@ -200,6 +219,8 @@ def main():
     ap.add_argument("--resident", default="",
                     help="--variants: resident configs 'num_warps:prefetch(0/1):programs_per_sm:stages,...' (N where "
                          "the tile fits)")
+    ap.add_argument("--cooperative", default="",
+                    help="--variants: cooperative configs 'num_warps:block_d:prefetch(0/1):programs_per_sm,...'")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="--variants only; cpu needs TRITON_INTERPRET=1 (a smoke run, timings meaningless)")
     args = ap.parse_args()
@@ -225,10 +246,11 @@ def main():
         try:
             tiled = None if args.tiled_configs is None else tuples(args.tiled_configs, 3)
             resident = [(w, bool(pf), k, st) for w, pf, k, st in tuples(args.resident, 4)]
+            coop = [(w, bd, bool(pf), k) for w, bd, pf, k in tuples(args.cooperative, 4)]
         except ValueError:
-            ap.error("--tiled-configs takes block_t:block_d:num_warps and --resident num_warps:prefetch:per_sm:stages, "
-                     "comma-separated")
-        compare_variants(T, d, args.device, args.max_configs, forms, per_sm, tiled, resident)
+            ap.error("--tiled-configs takes block_t:block_d:num_warps, --resident num_warps:prefetch:per_sm:stages and "
+                     "--cooperative num_warps:block_d:prefetch:per_sm, comma-separated")
+        compare_variants(T, d, args.device, args.max_configs, forms, per_sm, tiled, resident, coop)
         return
     if args.device != "cuda":
         ap.error("--device cpu is supported with --variants only")
@@ -278,10 +300,11 @@ def main():
             print(f"N={N} {name}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms", flush=True)
     print(f"\nAttnRes, T = {T}, d = {d}, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {triton.__version__}, ours = variant {triton_attnres.DEFAULT_VARIANT!r} at its default launch\n")
-    print("| N | path | fwd ms | fwd TB/s | fwd % of 4.27 | fwd+bwd ms | fwd+bwd TB/s | fwd+bwd % |")
+    peak = copy_tbs()
+    print(f"| N | path | fwd ms | fwd TB/s | fwd % of {peak:.2f} (copy) | fwd+bwd ms | fwd+bwd TB/s | fwd+bwd % |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for N, name, f, fbw, fb, fbbw in rows:
-        print(f"| {N} | {name} | {f:.3f} | {fbw:.2f} | {100 * fbw / PEAK_TBS:.0f} % | {fb:.3f} | {fbbw:.2f} | {100 * fbbw / PEAK_TBS:.0f} % |")
+        print(f"| {N} | {name} | {f:.3f} | {fbw:.2f} | {100 * fbw / peak:.0f} % | {fb:.3f} | {fbbw:.2f} | {100 * fbbw / peak:.0f} % |")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ Backward (one read of every candidate row, `out` and `dout`; `sum_j alpha_j dalp
     dv_i = alpha_i dout + dlogit_i (r_i w - p_i r_i^3 v_i / d)
     dw = sum_{t, i} dlogit_i r_i v_i   (partial sums per program of 16 tokens, summed by torch)
 
-Three designs of the same maths, chosen with `attn_res_triton(..., variant=)` (default `DEFAULT_VARIANT`):
+Four designs of the same maths, chosen with `attn_res_triton(..., variant=)` (default `DEFAULT_VARIANT`):
 
 * "row" (`_attnres_fwd` / `_attnres_bwd`): one program per token, the whole d-row of ONE candidate in registers,
   an online softmax over the candidates. Every byte is read once, but candidate i + 1's load can only overlap
@@ -52,10 +52,25 @@ Three designs of the same maths, chosen with `attn_res_triton(..., variant=)` (d
   forward saves r_i and p_i as the tiled one does; the backward keeps dw in registers, one partial row per
   program. Only where the tile fits one program (rows * next_pow2(d) <= 64K elements: N <= 8 at K3's d = 7168).
 
+* "cooperative" (`_attnres_fwd_coop` / `_attnres_bwd_coop`): "resident" split over S programs, each holding one
+  BLOCK_D-wide slice of a token's candidates (small tiles, many programs an SM). Program (g, s) of a persistent
+  grid of G groups publishes its slice's partial sums (ss_i and p_i; the backward's dalpha_i) to a small global
+  buffer, counts itself on the token's counter and waits until all S slices have, then adds the S partials in
+  slice order (deterministic) and mixes its slice (writes its dv_i slices) from the registers it loaded: one read
+  of every byte at any N (the resident tile does not fit past N = 8 at K3's d = 7168). Waiting for other programs
+  needs the whole grid resident at once, so the grid is sized from the compiled kernel's registers and shared
+  memory. The interpreter runs programs one after another, so there the kernel runs as two launches (publish,
+  then mix), the same code without the wait.
+* The resident and cooperative kernels widen bf16 to fp32 twice (statistics, then mix) rather than keep an fp32
+  copy of the tile: one fewer tile-sized set of registers (the N = 6 resident forward spilled 104 bytes a thread
+  before, none now: 0.357 -> 0.291 ms on the H100).
+
 Triton is imported here, so import this module only where Triton is available (see `k3_kernels.dispatch`).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -63,17 +78,15 @@ import triton.language as tl
 
 __all__ = ["attn_res_triton", "DEFAULT_VARIANT", "VARIANTS", "TILED_PASS2", "TILED_PROGRAMS_PER_SM"]
 
-VARIANTS = ("row", "tiled", "resident")
+VARIANTS = ("row", "tiled", "resident", "cooperative")
 # Design used when `attn_res_triton` is called without `variant=` (as `k3_kernels.dispatch` does). "auto" = the
-# faster one as measured on the H200 (T = 8K, d = 7168, bf16; BENCHMARKS.md, fourth and fifteenth sessions):
-# - forward only: "resident" up to RESIDENT_MAX_N candidates (N = 3 / 6: 0.130 / 0.316 ms against the tiled
-#   0.148 / 0.333), "tiled" above (N = 9: 0.481 ms against the row design's 0.687);
-# - forward + backward: "resident" up to RESIDENT_MAX_N_GRAD (N = 3: 0.540 ms against the tiled 0.588; at N = 6 its
-#   backward spills and loses, 1.410 against 1.123), "tiled" up to 8, "row" above (N = 9: 1.734 against the best
-#   tiled 1.898 ms: its backward's second sweep over dout and all nine candidates misses L2 more).
+# faster one as measured (T = 8K, d = 7168, bf16; BENCHMARKS.md, sixteenth session), the same rule for the forward
+# and for forward + backward: "resident" up to RESIDENT_MAX_N candidates (H100, N = 6: forward 0.291 ms against the
+# tiled 0.373, forward + backward 0.943 against 1.234; H200 forward 0.235 ms), "cooperative" above (H200, N = 9:
+# forward 0.376 ms against the tiled 0.481, forward + backward 1.147 against the row design's 1.734; N = 7: 0.328
+# against 0.402, 0.962 against 1.314). "tiled" when block_t or block_d is given.
 DEFAULT_VARIANT = "auto"
 RESIDENT_MAX_N = 6
-RESIDENT_MAX_N_GRAD = 3
 # "tiled" tokens per program when block_t is not given (block_t = 2 was slower at every N measured).
 DEFAULT_TILED_BLOCK_T = 1
 # How the tiled kernels' second d-sweep reads the candidates: "split" = N separate [BLOCK_T, BLOCK_D] loads per
@@ -97,6 +110,20 @@ RESIDENT_PROGRAMS_PER_SM = 1
 RESIDENT_PREFETCH = None
 RESIDENT_STAGES = None
 _RESIDENT_PREFETCH_ROWS = 3
+# "cooperative": the most programs an SM of its persistent grid (fewer where the compiled kernel's registers or
+# shared memory allow fewer: the grid must be resident as a whole, since each program waits for the other slices
+# of its tokens), the default d-slice width and whether the next token's tile is loaded into registers before
+# the current one's exchange. Without `num_warps`, the forward takes about 288 values of the tile a thread and the
+# backward 144 (`_COOP_VALUES_PER_THREAD`). Measured on the H200 (sixteenth session, N = 9, T = 8K, d = 7168): the
+# forward at 1 warp and 1024-wide slices 0.376 ms, 2 warps 0.414, 4 warps and 2048 0.434, 8 warps 0.59-0.60; the
+# forward + backward with 2 warps and 1024 for both 1.147 ms, 1 warp 1.547 (its backward spills 1.2 KB a
+# thread); the prefetch loses everywhere (0.508 against 0.414 ms at 2 warps: its registers halve the programs an
+# SM).
+# `benchmarks/attnres.py --variants --cooperative ...` sweeps them.
+COOP_PROGRAMS_PER_SM = 16
+COOP_BLOCK_D = 1024
+COOP_PREFETCH = False
+_COOP_VALUES_PER_THREAD = {False: 288, True: 144}  # forward, backward
 _MAX_TILE = 1 << 16  # elements of one [BLOCK_T, NP, BLOCK_D] tile: beyond this the registers spill hopelessly
 
 
@@ -248,10 +275,11 @@ def _attnres_fwd_tiled(
 
 
 @triton.jit
-def _resident_offsets(T, D, ROW0: tl.constexpr, NR: tl.constexpr, N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Offsets `[NR, BLOCK_D]` of v[ROW0 + j, 0, :] and their mask (rows past N and columns past D off)."""
+def _resident_offsets(T, D, COL0, ROW0: tl.constexpr, NR: tl.constexpr, N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Offsets `[NR, BLOCK_D]` of v[ROW0 + j, 0, COL0:COL0 + BLOCK_D] and their mask (rows past N and columns past D
+    off)."""
     offs_n = ROW0 + tl.arange(0, NR)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = COL0 + tl.arange(0, BLOCK_D)
     return offs_n[:, None].to(tl.int64) * T * D + offs_d[None, :], (offs_n[:, None] < N) & (offs_d[None, :] < D)
 
 
@@ -262,11 +290,50 @@ def _resident_load(V, rows, mask, t, T, D, NR: tl.constexpr):
 
 
 @triton.jit
-def _resident_logits(f, w, D, eps, ROW0: tl.constexpr, NR: tl.constexpr, N: tl.constexpr):
-    """r_i, p_i and logit_i `[NR]` of a row group `f` `[NR, BLOCK_D]` fp32 (padded rows get logit -inf)."""
-    r = 1.0 / tl.sqrt(tl.sum(f * f, axis=1) / D + eps)
-    p = tl.sum(f * w, axis=1)
+def _logits(ss, p, D, eps, ROW0: tl.constexpr, NR: tl.constexpr, N: tl.constexpr):
+    """r_i, p_i and logit_i `[NR]` of a row group from its sums ss_i = sum v_i^2 and p_i = <v_i, w> over the whole
+    row (padded rows get logit -inf)."""
+    r = 1.0 / tl.sqrt(ss / D + eps)
     return r, p, tl.where(ROW0 + tl.arange(0, NR) < N, r * p, float("-inf"))
+
+
+@triton.jit
+def _load_tiles(V, rows_a, mask_a, rows_b, mask_b, t, T, D, NA: tl.constexpr, NB: tl.constexpr):
+    """Token t's two row groups (the second is the first again when NB = 0, never used then)."""
+    va = _resident_load(V, rows_a, mask_a, t, T, D, NA)
+    vb = va
+    if NB > 0:
+        vb = _resident_load(V, rows_b, mask_b, t, T, D, NB)
+    return va, vb
+
+
+@triton.jit
+def _load_bwd_tiles(V, DO, rows_a, mask_a, rows_b, mask_b, do_rows, do_mask, t, T, D, NA: tl.constexpr,
+                    NB: tl.constexpr):
+    """Token t's two row groups and its dout row `[1, BLOCK_D]`."""
+    va, vb = _load_tiles(V, rows_a, mask_a, rows_b, mask_b, t, T, D, NA, NB)
+    return va, vb, _resident_load(DO, do_rows, do_mask, t, T, D, 1)
+
+
+@triton.jit
+def _resident_logits(f, w, D, eps, ROW0: tl.constexpr, NR: tl.constexpr, N: tl.constexpr):
+    """r_i, p_i and logit_i `[NR]` of a row group `f` `[NR, BLOCK_D]` fp32 holding whole rows."""
+    return _logits(tl.sum(f * f, axis=1), tl.sum(f * w, axis=1), D, eps, ROW0, NR, N)
+
+
+@triton.jit
+def _softmax2(la, lb, HAS_B: tl.constexpr):
+    """alpha of the two row groups' logits `[NA]`, `[NB]` (lb unused unless HAS_B)."""
+    m = tl.max(la, axis=0)
+    if HAS_B:
+        m = tl.maximum(m, tl.max(lb, axis=0))
+    ea = tl.exp(la - m)
+    den = tl.sum(ea, axis=0)
+    eb = lb
+    if HAS_B:
+        eb = tl.exp(lb - m)
+        den += tl.sum(eb, axis=0)
+    return ea / den, eb / den
 
 
 @triton.jit
@@ -277,6 +344,27 @@ def _resident_store_stats(ALPHA, RS, PS, alpha, r, p, t, T, SAVE_STATS: tl.const
     if SAVE_STATS:
         tl.store(RS + i * T + t, r, mask=i < N)
         tl.store(PS + i * T + t, p, mask=i < N)
+
+
+@triton.jit
+def _mix_store(O, va, vb, aa, ab, t, offs_d, dmask, D, HAS_B: tl.constexpr):
+    """out[t, offs_d] = sum_i alpha_i v_i over the two row groups. v is widened here again rather than kept in fp32
+    from the statistics: the fp32 copy of a 6-row tile spilled at 16 warps (sm_90, triton 3.6: 104 bytes a thread;
+    none with this)."""
+    out = tl.sum(aa[:, None] * _widen(va), axis=0)  # [BLOCK_D]
+    if HAS_B:
+        out += tl.sum(ab[:, None] * _widen(vb), axis=0)
+    tl.store(O + t.to(tl.int64) * D + offs_d, out.to(O.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _widen(x):
+    """x in fp32, for bf16 by moving its bits (not a `.to`, so the compiler keeps the bf16 tile live, not an fp32
+    copy)."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
 
 
 @triton.jit
@@ -297,45 +385,27 @@ def _attnres_fwd_resident(
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     w = tl.load(W + offs_d, mask=dmask, other=0.0)[None, :]  # [1, BLOCK_D] fp32
-    rows_a, mask_a = _resident_offsets(T, D, 0, NA, N, BLOCK_D)
-    rows_b, mask_b = _resident_offsets(T, D, NA, max(NB, 1), N, BLOCK_D)
+    rows_a, mask_a = _resident_offsets(T, D, 0, 0, NA, N, BLOCK_D)
+    rows_b, mask_b = _resident_offsets(T, D, 0, NA, max(NB, 1), N, BLOCK_D)
     if PREFETCH:
-        va_next = _resident_load(V, rows_a, mask_a, pid, T, D, NA)
-        if NB > 0:
-            vb_next = _resident_load(V, rows_b, mask_b, pid, T, D, NB)
+        va_next, vb_next = _load_tiles(V, rows_a, mask_a, rows_b, mask_b, pid, T, D, NA, NB)
     for t0 in tl.range(0, T, n_prog, num_stages=STAGES):
         t = t0 + pid  # this program's token (t0 is the same in every program: its tail is past T in some)
         if PREFETCH:
-            va = va_next
-            va_next = _resident_load(V, rows_a, mask_a, t + n_prog, T, D, NA)
-            if NB > 0:
-                vb = vb_next
-                vb_next = _resident_load(V, rows_b, mask_b, t + n_prog, T, D, NB)
+            va, vb = va_next, vb_next
+            va_next, vb_next = _load_tiles(V, rows_a, mask_a, rows_b, mask_b, t + n_prog, T, D, NA, NB)
         else:
-            va = _resident_load(V, rows_a, mask_a, t, T, D, NA)
-            if NB > 0:
-                vb = _resident_load(V, rows_b, mask_b, t, T, D, NB)
+            va, vb = _load_tiles(V, rows_a, mask_a, rows_b, mask_b, t, T, D, NA, NB)
         if t < T:
-            fa = va.to(tl.float32)
-            ra, pa, la = _resident_logits(fa, w, D, eps, 0, NA, N)  # [NA]
-            m = tl.max(la, axis=0)
+            ra, pa, la = _resident_logits(va.to(tl.float32), w, D, eps, 0, NA, N)  # [NA]
+            rb, pb, lb = ra, pa, la
             if NB > 0:
-                fb = vb.to(tl.float32)
-                rb, pb, lb = _resident_logits(fb, w, D, eps, NA, NB, N)  # [NB]
-                m = tl.maximum(m, tl.max(lb, axis=0))
-                eb = tl.exp(lb - m)
-            ea = tl.exp(la - m)
-            den = tl.sum(ea, axis=0)
-            if NB > 0:
-                den += tl.sum(eb, axis=0)
-            aa = ea / den
-            out = tl.sum(aa[:, None] * fa, axis=0)  # [BLOCK_D]
+                rb, pb, lb = _resident_logits(vb.to(tl.float32), w, D, eps, NA, NB, N)  # [NB]
+            aa, ab = _softmax2(la, lb, NB > 0)
             _resident_store_stats(ALPHA, RS, PS, aa, ra, pa, t, T, SAVE_STATS, 0, NA, N)
             if NB > 0:
-                ab = eb / den
-                out += tl.sum(ab[:, None] * fb, axis=0)
                 _resident_store_stats(ALPHA, RS, PS, ab, rb, pb, t, T, SAVE_STATS, NA, NB, N)
-            tl.store(O + t.to(tl.int64) * D + offs_d, out.to(O.dtype.element_ty), mask=dmask)
+            _mix_store(O, va, vb, aa, ab, t, offs_d, dmask, D, NB > 0)
 
 
 @triton.jit
@@ -354,9 +424,10 @@ def _resident_dv_store(v, do, w, dalpha, alpha, r, p, s, DV, rows, mask, t, D):
     dlogit = alpha * (dalpha - s)
     c_w = dlogit * r
     c_v = dlogit * p * r * r * r / D
-    dv = alpha[:, None] * do + c_w[:, None] * w - c_v[:, None] * v
+    f = _widen(v)
+    dv = alpha[:, None] * do + c_w[:, None] * w - c_v[:, None] * f
     tl.store(DV + rows + t.to(tl.int64) * D, dv.to(DV.dtype.element_ty), mask=mask)
-    return tl.sum(c_w[:, None] * v, axis=0)
+    return tl.sum(c_w[:, None] * f, axis=0)
 
 
 @triton.jit
@@ -374,28 +445,21 @@ def _attnres_bwd_resident(
     dmask = offs_d < D
     w = tl.load(W + offs_d, mask=dmask, other=0.0)[None, :]  # [1, BLOCK_D] fp32
     dw = tl.zeros([BLOCK_D], dtype=tl.float32)
-    rows_a, mask_a = _resident_offsets(T, D, 0, NA, N, BLOCK_D)
-    rows_b, mask_b = _resident_offsets(T, D, NA, max(NB, 1), N, BLOCK_D)
+    rows_a, mask_a = _resident_offsets(T, D, 0, 0, NA, N, BLOCK_D)
+    rows_b, mask_b = _resident_offsets(T, D, 0, NA, max(NB, 1), N, BLOCK_D)
     do_rows = offs_d[None, :].to(tl.int64)  # [1, BLOCK_D]: dout is one row a token
     if PREFETCH:
-        va_next = _resident_load(V, rows_a, mask_a, pid, T, D, NA)
-        do_next = _resident_load(DO, do_rows, dmask[None, :], pid, T, D, 1)
-        if NB > 0:
-            vb_next = _resident_load(V, rows_b, mask_b, pid, T, D, NB)
+        va_next, vb_next, do_next = _load_bwd_tiles(V, DO, rows_a, mask_a, rows_b, mask_b, do_rows, dmask[None, :],
+                                                    pid, T, D, NA, NB)
     for t0 in tl.range(0, T, n_prog, num_stages=STAGES):
         t = t0 + pid
         if PREFETCH:
-            va, do = va_next, do_next
-            va_next = _resident_load(V, rows_a, mask_a, t + n_prog, T, D, NA)
-            do_next = _resident_load(DO, do_rows, dmask[None, :], t + n_prog, T, D, 1)
-            if NB > 0:
-                vb = vb_next
-                vb_next = _resident_load(V, rows_b, mask_b, t + n_prog, T, D, NB)
+            va, vb, do = va_next, vb_next, do_next
+            va_next, vb_next, do_next = _load_bwd_tiles(V, DO, rows_a, mask_a, rows_b, mask_b, do_rows,
+                                                        dmask[None, :], t + n_prog, T, D, NA, NB)
         else:
-            va = _resident_load(V, rows_a, mask_a, t, T, D, NA)
-            do = _resident_load(DO, do_rows, dmask[None, :], t, T, D, 1)
-            if NB > 0:
-                vb = _resident_load(V, rows_b, mask_b, t, T, D, NB)
+            va, vb, do = _load_bwd_tiles(V, DO, rows_a, mask_a, rows_b, mask_b, do_rows, dmask[None, :], t, T, D,
+                                         NA, NB)
         # Loaded here, not under `if t < T`: Triton's pipeliner leaves a loop alone when it has loads in a branch.
         aa, ra, pa = _resident_saved(ALPHA, RS, PS, t, T, 0, NA, N)
         if NB > 0:
@@ -409,9 +473,145 @@ def _attnres_bwd_resident(
                 fb = vb.to(tl.float32)
                 db = tl.sum(fb * fdo, axis=1)
                 s += tl.sum(ab * db, axis=0)
-                dw += _resident_dv_store(fb, fdo, w, db, ab, rb, pb, s, DV, rows_b, mask_b, t, D)
-            dw += _resident_dv_store(fa, fdo, w, da, aa, ra, pa, s, DV, rows_a, mask_a, t, D)
+                dw += _resident_dv_store(vb, fdo, w, db, ab, rb, pb, s, DV, rows_b, mask_b, t, D)
+            dw += _resident_dv_store(va, fdo, w, da, aa, ra, pa, s, DV, rows_a, mask_a, t, D)
     tl.store(DW + pid.to(tl.int64) * D + offs_d, dw, mask=dmask)
+
+
+@triton.jit
+def _coop_put(PART, x, t, s, S, K: tl.constexpr, KQ: tl.constexpr, ROW0: tl.constexpr, NR: tl.constexpr,
+              NT: tl.constexpr):
+    """Publish this slice's partial sums x `[NR]` of quantity K of token t: PART[t, K, s, ROW0:ROW0 + NR]."""
+    tl.store(PART + ((t.to(tl.int64) * KQ + K) * S + s) * NT + ROW0 + tl.arange(0, NR), x)
+
+
+@triton.jit
+def _coop_total(PART, t, S, K: tl.constexpr, KQ: tl.constexpr, ROW0: tl.constexpr, NR: tl.constexpr,
+                NT: tl.constexpr, SP: tl.constexpr):
+    """The sums `[NR]` of quantity K of token t over its S slices, in slice order (deterministic)."""
+    j = tl.arange(0, SP)
+    offs = ((t.to(tl.int64) * KQ + K) * S + j[:, None]) * NT + ROW0 + tl.arange(0, NR)[None, :]  # [SP, NR]
+    # .cg: from L2, where the other programs' stores are, never a stale L1 line
+    return tl.sum(tl.load(PART + offs, mask=j[:, None] < S, other=0.0, cache_modifier=".cg"), axis=0)
+
+
+@triton.jit
+def _coop_wait(CNT, t, S):
+    """Count this program's slice of token t as published, then wait until all S are (CUTLASS's semaphore pattern:
+    a barrier orders every thread's stores before one release at GPU scope; the acquire before the reads)."""
+    tl.debug_barrier()
+    tl.atomic_add(CNT + t, 1, sem="release", scope="gpu")
+    n = tl.atomic_add(CNT + t, 0, sem="acquire", scope="gpu")
+    while n < S:
+        n = tl.atomic_add(CNT + t, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
+def _coop_program(W, T, D, S, N: tl.constexpr, NA: tl.constexpr, NB: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's place in a cooperative grid of G groups of S: (G, group g, slice s), the slice's columns,
+    their mask, its w `[1, BLOCK_D]` and the two row groups' offsets and masks."""
+    pid = tl.program_id(0)
+    s = pid % S
+    offs_d = s * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    w = tl.load(W + offs_d, mask=dmask, other=0.0)[None, :]  # [1, BLOCK_D] fp32
+    rows_a, mask_a = _resident_offsets(T, D, s * BLOCK_D, 0, NA, N, BLOCK_D)
+    rows_b, mask_b = _resident_offsets(T, D, s * BLOCK_D, NA, max(NB, 1), N, BLOCK_D)
+    return tl.num_programs(0) // S, pid // S, s, offs_d, dmask, w, rows_a, mask_a, rows_b, mask_b
+
+
+@triton.jit
+def _attnres_fwd_coop(
+    V, W, O, ALPHA, RS, PS, PART, CNT, T, D, eps, S, N: tl.constexpr, NA: tl.constexpr, NB: tl.constexpr,
+    SP: tl.constexpr, SAVE_STATS: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, PHASE: tl.constexpr,
+):
+    # A persistent grid of G groups of S programs: program (g, s) owns the d-slice s (BLOCK_D wide) of tokens
+    # g, g + G, ... It loads its `[N, BLOCK_D]` tile of a token once, publishes the slice's partial sums
+    # ss_i = sum v_i^2 and p_i = <v_i, w> to PART, waits for the token's other S - 1 slices (a counter per token),
+    # adds the S partials up and mixes its slice from the same registers: every byte is read once, as in
+    # "resident", but with small tiles and many programs an SM (with PREFETCH, the next token's tile is loaded
+    # before the wait; it costs registers, so fewer programs fit, and lost where measured).
+    # PHASE 0 = all of it; the interpreter, which runs programs one after another (a wait there would never end),
+    # launches PHASE 1 (publish only) and then PHASE 2 (reload and mix, no wait) instead.
+    G, g, s, offs_d, dmask, w, rows_a, mask_a, rows_b, mask_b = _coop_program(W, T, D, S, N, NA, NB, BLOCK_D)
+    NT: tl.constexpr = NA + NB
+    if PREFETCH:
+        va_next, vb_next = _load_tiles(V, rows_a, mask_a, rows_b, mask_b, g, T, D, NA, NB)
+    for j in tl.range(0, tl.cdiv(T - g, G)):
+        t = g + j * G
+        if PREFETCH:
+            va, vb = va_next, vb_next
+            va_next, vb_next = _load_tiles(V, rows_a, mask_a, rows_b, mask_b, t + G, T, D, NA, NB)
+        else:
+            va, vb = _load_tiles(V, rows_a, mask_a, rows_b, mask_b, t, T, D, NA, NB)
+        if PHASE != 2:
+            fa = va.to(tl.float32)
+            _coop_put(PART, tl.sum(fa * fa, axis=1), t, s, S, 0, 2, 0, NA, NT)
+            _coop_put(PART, tl.sum(fa * w, axis=1), t, s, S, 1, 2, 0, NA, NT)
+            if NB > 0:
+                fb = vb.to(tl.float32)
+                _coop_put(PART, tl.sum(fb * fb, axis=1), t, s, S, 0, 2, NA, NB, NT)
+                _coop_put(PART, tl.sum(fb * w, axis=1), t, s, S, 1, 2, NA, NB, NT)
+        if PHASE == 0:
+            _coop_wait(CNT, t, S)
+        if PHASE != 1:
+            ra, pa, la = _logits(_coop_total(PART, t, S, 0, 2, 0, NA, NT, SP),
+                                 _coop_total(PART, t, S, 1, 2, 0, NA, NT, SP), D, eps, 0, NA, N)
+            rb, pb, lb = ra, pa, la
+            if NB > 0:
+                rb, pb, lb = _logits(_coop_total(PART, t, S, 0, 2, NA, NB, NT, SP),
+                                     _coop_total(PART, t, S, 1, 2, NA, NB, NT, SP), D, eps, NA, NB, N)
+            aa, ab = _softmax2(la, lb, NB > 0)
+            if s == 0:
+                _resident_store_stats(ALPHA, RS, PS, aa, ra, pa, t, T, SAVE_STATS, 0, NA, N)
+                if NB > 0:
+                    _resident_store_stats(ALPHA, RS, PS, ab, rb, pb, t, T, SAVE_STATS, NA, NB, N)
+            _mix_store(O, va, vb, aa, ab, t, offs_d, dmask, D, NB > 0)
+
+
+@triton.jit
+def _attnres_bwd_coop(
+    V, W, DO, ALPHA, RS, PS, DV, DW, PART, CNT, T, D, S, N: tl.constexpr, NA: tl.constexpr, NB: tl.constexpr,
+    SP: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, PHASE: tl.constexpr,
+):
+    # The forward's groups and slices: program (g, s) publishes its slice's partial dalpha_i = <dout, v_i>, waits
+    # for the token's other slices, then writes its slice of every dv_i from the same registers. dw: one partial
+    # row per group (each program fills its slice), summed by torch.
+    G, g, s, offs_d, dmask, w, rows_a, mask_a, rows_b, mask_b = _coop_program(W, T, D, S, N, NA, NB, BLOCK_D)
+    NT: tl.constexpr = NA + NB
+    dw = tl.zeros([BLOCK_D], dtype=tl.float32)
+    do_rows = offs_d[None, :].to(tl.int64)  # [1, BLOCK_D]: dout is one row a token
+    if PREFETCH:
+        va_next, vb_next, do_next = _load_bwd_tiles(V, DO, rows_a, mask_a, rows_b, mask_b, do_rows, dmask[None, :],
+                                                    g, T, D, NA, NB)
+    for j in tl.range(0, tl.cdiv(T - g, G)):
+        t = g + j * G
+        if PREFETCH:
+            va, vb, do = va_next, vb_next, do_next
+            va_next, vb_next, do_next = _load_bwd_tiles(V, DO, rows_a, mask_a, rows_b, mask_b, do_rows,
+                                                        dmask[None, :], t + G, T, D, NA, NB)
+        else:
+            va, vb, do = _load_bwd_tiles(V, DO, rows_a, mask_a, rows_b, mask_b, do_rows, dmask[None, :], t, T, D,
+                                         NA, NB)
+        fdo = do.to(tl.float32)  # [1, BLOCK_D]
+        if PHASE != 2:
+            _coop_put(PART, tl.sum(va.to(tl.float32) * fdo, axis=1), t, s, S, 0, 1, 0, NA, NT)
+            if NB > 0:
+                _coop_put(PART, tl.sum(vb.to(tl.float32) * fdo, axis=1), t, s, S, 0, 1, NA, NB, NT)
+        if PHASE == 0:
+            _coop_wait(CNT, t, S)
+        if PHASE != 1:
+            da = _coop_total(PART, t, S, 0, 1, 0, NA, NT, SP)  # [NA]
+            aa, ra, pa = _resident_saved(ALPHA, RS, PS, t, T, 0, NA, N)
+            sd = tl.sum(aa * da, axis=0)  # <dout, out>
+            if NB > 0:
+                db = _coop_total(PART, t, S, 0, 1, NA, NB, NT, SP)
+                ab, rb, pb = _resident_saved(ALPHA, RS, PS, t, T, NA, NB, N)
+                sd += tl.sum(ab * db, axis=0)
+                dw += _resident_dv_store(vb, fdo, w, db, ab, rb, pb, sd, DV, rows_b, mask_b, t, D)
+            dw += _resident_dv_store(va, fdo, w, da, aa, ra, pa, sd, DV, rows_a, mask_a, t, D)
+    if PHASE != 1:
+        tl.store(DW + g.to(tl.int64) * D + offs_d, dw, mask=dmask)
 
 
 @triton.jit
@@ -575,7 +775,7 @@ def _resident_cfg(N: int, D: int, num_warps):
     if not _resident_fits(N, D):
         raise ValueError(
             f"variant='resident' keeps a token's {NA + NB} (padded) rows of next_pow2(d) = {BLOCK_D} in one program, "
-            f"at most {_MAX_TILE} elements: use variant='tiled'"
+            f"at most {_MAX_TILE} elements: use variant='cooperative' or variant='tiled'"
         )
     if num_warps is None:
         # ~64 values of the tile per thread, at most 16 warps (16 beat 32 at N = 3 and 6 on the H200: 0.130 / 0.316
@@ -592,6 +792,58 @@ def _resident_schedule(rows: int, prefetch, stages) -> tuple[bool, int]:
     if stages is None:
         stages = 1 if prefetch else 2
     return bool(prefetch), stages
+
+
+def _coop_cfg(N: int, D: int, block_d: int, num_warps, backward: bool = False):
+    """(NA, NB, BLOCK_D, S, num_warps) of a cooperative kernel: one token's rows as two power-of-two groups, in
+    S slices of BLOCK_D."""
+    NA, NB = _resident_rows(N)
+    BLOCK_D = min(block_d, max(16, triton.next_power_of_2(D)))
+    if (NA + NB) * BLOCK_D > _MAX_TILE:
+        raise ValueError(f"variant='cooperative': {NA + NB} (padded) rows x block_d {BLOCK_D} exceed {_MAX_TILE} "
+                         "elements a program: use a smaller block_d")
+    if num_warps is None:
+        num_warps = min(32, triton.next_power_of_2(
+            triton.cdiv((NA + NB) * BLOCK_D, 32 * _COOP_VALUES_PER_THREAD[backward])))
+    return NA, NB, BLOCK_D, triton.cdiv(D, BLOCK_D), num_warps
+
+
+_REGS_PER_SM, _THREADS_PER_SM, _BLOCKS_PER_SM = 65536, 2048, 32
+_COOP_FIT: dict = {}  # programs an SM that fit, per compiled launch (the warmup lookup costs tens of microseconds)
+
+
+def _coop_groups(kernel, args, kw, S: int, T: int, per_sm: int, device) -> int:
+    """G, the groups of S programs of a cooperative launch: at most `per_sm` programs an SM, and never more than
+    the SMs can hold at once (from the compiled kernel's registers and shared memory), since a program waits for
+    the other programs of its group and a group not wholly resident would wait for SMs its own members hold."""
+    if device.type != "cuda":
+        return max(1, min(T, per_sm * _sm_count(device) // S))
+    props = torch.cuda.get_device_properties(device)
+    key = (kernel, device.index, args[0].dtype, per_sm, *sorted((k, v) for k, v in kw.items() if k not in ("T", "eps")))
+    fit = _COOP_FIT.get(key)
+    if fit is None:
+        k = kernel.warmup(*args, args[0].new_empty(1, dtype=torch.int32), grid=(1,), **kw, PHASE=0)
+        k._init_handles()  # n_regs is known once the binary is loaded
+        warps = k.metadata.num_warps
+        regs_per_warp = triton.cdiv(max(k.n_regs, 1) * 32, 256) * 256  # allocated 256 registers at a time
+        fit = _COOP_FIT[key] = min(
+            per_sm, _REGS_PER_SM // regs_per_warp // warps, _THREADS_PER_SM // (32 * warps), _BLOCKS_PER_SM,
+            props.shared_memory_per_multiprocessor // max(k.metadata.shared + 1024, 1))
+    if fit * props.multi_processor_count < S:
+        raise RuntimeError(f"variant='cooperative': the {S} programs of a token cannot be resident at once "
+                           f"({fit} an SM fit): use a larger block_d")
+    return max(1, min(T, fit * props.multi_processor_count // S))
+
+
+def _coop_run(kernel, n_groups: int, n_slices: int, args, n_tokens: int, device, **kw):
+    """Launch a cooperative kernel over n_groups groups of n_slices programs: one launch with the exchange on a GPU;
+    under the interpreter, which runs the programs one after another, a publishing launch and then a mixing one
+    (PHASE 1, 2) over the same buffers."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        for phase in (1, 2):
+            kernel[(n_groups * n_slices,)](*args, torch.empty(1, device=device, dtype=torch.int32), **kw, PHASE=phase)
+    else:
+        kernel[(n_groups * n_slices,)](*args, torch.zeros(n_tokens, device=device, dtype=torch.int32), **kw, PHASE=0)
 
 
 _SHARED_BUDGET = 200 * 1024  # of the H200's 227 KB a block may use, leaving room for the reductions' scratch
@@ -613,7 +865,8 @@ def _resident_launch(N: int, D: int, num_warps, prefetch, stages, extra_rows: in
 class _AttnResFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, v, query_weight, norm_weight, eps, cfg):
-        variant, block_t, block_d, num_warps, split, per_sm, chunk, res_per_sm, prefetch, stages = cfg
+        (variant, block_t, block_d, num_warps, split, per_sm, chunk, res_per_sm, prefetch, stages, coop_per_sm,
+         coop_prefetch) = cfg
         N, D = v.shape[0], v.shape[-1]
         lead = v.shape[1:-1]
         v3 = v.reshape(N, -1, D).contiguous()  # [N, T, D], T = all leading token dims
@@ -623,11 +876,19 @@ class _AttnResFunction(torch.autograd.Function):
         alpha = torch.empty((N, T), device=v.device, dtype=torch.float32)
         grad = any(ctx.needs_input_grad[:3])
         ctx.lead, ctx.eps, ctx.cfg = lead, eps, cfg
-        if variant in ("tiled", "resident"):
+        if variant in ("tiled", "resident", "cooperative"):
             # r_i and p_i per (candidate, token): backward then needs only <dout, v_i> from its first sweep.
             rs = torch.empty((N, T), device=v.device, dtype=torch.float32) if grad else alpha
             ps = torch.empty((N, T), device=v.device, dtype=torch.float32) if grad else alpha
-            if T > 0 and variant == "resident":
+            if T > 0 and variant == "cooperative":
+                NA, NB, BLOCK_D, S, warps = _coop_cfg(N, D, block_d, num_warps)
+                part = torch.empty(T * 2 * S * (NA + NB), device=v.device, dtype=torch.float32)  # [T, 2, S, NA + NB]
+                args = (v3, w, out, alpha, rs, ps, part)
+                kw = dict(T=T, D=D, eps=eps, S=S, N=N, NA=NA, NB=NB, SP=triton.next_power_of_2(S), SAVE_STATS=grad,
+                          BLOCK_D=BLOCK_D, PREFETCH=coop_prefetch, num_warps=warps)
+                G = _coop_groups(_attnres_fwd_coop, args, kw, S, T, coop_per_sm, v.device)
+                _coop_run(_attnres_fwd_coop, G, S, args, T, v.device, **kw)
+            elif T > 0 and variant == "resident":
                 NA, NB, BLOCK_D, warps, prefetch, st = _resident_launch(N, D, num_warps, prefetch, stages, 0,
                                                                         v3.element_size())
                 _attnres_fwd_resident[(min(T, res_per_sm * _sm_count(v.device)),)](
@@ -655,15 +916,24 @@ class _AttnResFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        variant, block_t, block_d, num_warps, split, per_sm, chunk, res_per_sm, prefetch, stages = ctx.cfg
-        if variant in ("tiled", "resident"):
+        (variant, block_t, block_d, num_warps, split, per_sm, chunk, res_per_sm, prefetch, stages, coop_per_sm,
+         coop_prefetch) = ctx.cfg
+        if variant in ("tiled", "resident", "cooperative"):
             v3, w, alpha, rs, ps, query_weight, norm_weight = ctx.saved_tensors
         else:
             v3, w, out, alpha, query_weight, norm_weight = ctx.saved_tensors
         N, T, D = v3.shape
         do = dout.reshape(T, D).contiguous()
         dv = torch.empty_like(v3)
-        if variant == "resident":
+        if variant == "cooperative":
+            NA, NB, BLOCK_D, S, warps = _coop_cfg(N, D, block_d, num_warps, backward=True)
+            part = torch.empty(T * S * (NA + NB), device=v3.device, dtype=torch.float32)  # [T, 1, S, NA + NB]
+            kw = dict(T=T, D=D, S=S, N=N, NA=NA, NB=NB, SP=triton.next_power_of_2(S), BLOCK_D=BLOCK_D,
+                      PREFETCH=coop_prefetch, num_warps=warps)
+            dw_probe = torch.empty(1, device=v3.device, dtype=torch.float32)
+            n_prog = _coop_groups(_attnres_bwd_coop, (v3, w, do, alpha, rs, ps, dv, dw_probe, part), kw, S, T,
+                                  coop_per_sm, v3.device)  # dw: one partial row per group
+        elif variant == "resident":
             NA, NB, BLOCK_D, warps, prefetch, st = _resident_launch(N, D, num_warps, prefetch, stages, 1,
                                                                     v3.element_size())  # + the dout row
             n_prog = min(T, res_per_sm * _sm_count(v3.device))
@@ -676,6 +946,9 @@ class _AttnResFunction(torch.autograd.Function):
         dw_part = torch.empty((max(n_prog, 1), D), device=v3.device, dtype=torch.float32)
         if T == 0:
             dw_part.zero_()
+        elif variant == "cooperative":
+            _coop_run(_attnres_bwd_coop, n_prog, S, (v3, w, do, alpha, rs, ps, dv, dw_part, part), T, v3.device,
+                      **kw)
         elif variant == "resident":
             _attnres_bwd_resident[(n_prog,)](
                 v3, w, do, alpha, rs, ps, dv, dw_part, T, D, N=N, NA=NA, NB=NB, BLOCK_D=BLOCK_D, PREFETCH=prefetch,
@@ -713,10 +986,10 @@ def attn_res_triton(
 ):
     """Drop-in for `reference.attn_res` on CUDA (or under `TRITON_INTERPRET=1`): list or stacked `[N, ..., d]`.
 
-    `variant`: "row", "tiled", "resident" (see the module docstring) or "auto" (the faster for this call as
-    measured, see `DEFAULT_VARIANT`; "tiled" when `block_t` or `block_d` is given), None = `DEFAULT_VARIANT`.
-    `block_t` (tokens per program, 1..16) and `block_d` (d-slice width, 16..16384), powers of two, apply to "tiled"
-    only; `num_warps` (power of two, 1..32) to all. None picks the defaults.
+    `variant`: "row", "tiled", "resident", "cooperative" (see the module docstring) or "auto" (the faster for this
+    call as measured, see `DEFAULT_VARIANT`; "tiled" when `block_t` or `block_d` is given), None =
+    `DEFAULT_VARIANT`. `block_t` (tokens per program, 1..16, "tiled" only) and `block_d` (d-slice width, 16..16384,
+    "tiled" and "cooperative"), powers of two; `num_warps` (power of two, 1..32) to all. None picks the defaults.
     """
     variant = DEFAULT_VARIANT if variant is None else variant
     if variant not in VARIANTS + ("auto",):
@@ -738,23 +1011,23 @@ def attn_res_triton(
     if not 1 <= v.shape[0] <= 16:
         raise ValueError(f"attn_res_triton supports 1 to at most 16 depth candidates, got {v.shape[0]}")
     if variant == "auto":
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (v, query_weight, norm_weight))
         N = v.shape[0]
-        if grad:
-            variant = "resident" if N <= RESIDENT_MAX_N_GRAD else "tiled" if N <= 8 else "row"
+        if block_t is not None or block_d is not None:
+            variant = "tiled"  # slice sizes asked for
         else:
-            variant = "resident" if N <= RESIDENT_MAX_N else "tiled"
-        if variant == "resident" and (block_t is not None or block_d is not None or not _resident_fits(N, d)):
-            variant = "tiled"  # slice sizes asked for, or a token too wide for one program
+            variant = "resident" if N <= RESIDENT_MAX_N and _resident_fits(N, d) else "cooperative"
     if variant in ("row", "resident") and (block_t is not None or block_d is not None):
         raise ValueError(f"block_t and block_d apply only to variant='tiled' (the {variant} design keeps whole rows)")
+    if variant == "cooperative" and block_t is not None:
+        raise ValueError("block_t applies only to variant='tiled' (the cooperative design takes one token at a time)")
     if variant == "tiled":
         _tiled_cfg(v.shape[0], d, block_t, block_d, num_warps)  # tile-size errors before any launch
     if variant == "resident":
         _resident_cfg(v.shape[0], d, num_warps)
     res_per_sm = RESIDENT_PROGRAMS_PER_SM
     for name, value, none_ok in (("RESIDENT_PROGRAMS_PER_SM", res_per_sm, False),
-                                 ("RESIDENT_STAGES", RESIDENT_STAGES, True)):
+                                 ("RESIDENT_STAGES", RESIDENT_STAGES, True),
+                                 ("COOP_PROGRAMS_PER_SM", COOP_PROGRAMS_PER_SM, False)):
         if not ((none_ok and value is None) or (isinstance(value, int) and not isinstance(value, bool) and value > 0)):
             raise ValueError(f"{name} must be a positive int{' or None' if none_ok else ''}, got {value!r}")
     if TILED_PASS2 not in ("split", "tile"):
@@ -763,6 +1036,10 @@ def attn_res_triton(
     if per_sm is not None and not (isinstance(per_sm, int) and not isinstance(per_sm, bool) and per_sm > 0):
         raise ValueError(f"TILED_PROGRAMS_PER_SM must be None or a positive int, got {per_sm!r}")
     # The module settings are read once here, so the backward runs the forward's configuration.
+    if variant == "cooperative":
+        block_d = COOP_BLOCK_D if block_d is None else block_d
+        _check_pow2("COOP_BLOCK_D", block_d, 16, 16384)
+        _coop_cfg(v.shape[0], d, block_d, num_warps)
     cfg = (variant, block_t, block_d, num_warps, TILED_PASS2 == "split", per_sm, _TILED_CHUNK, res_per_sm,
-           RESIDENT_PREFETCH, RESIDENT_STAGES)
+           RESIDENT_PREFETCH, RESIDENT_STAGES, COOP_PROGRAMS_PER_SM, bool(COOP_PREFETCH))
     return _AttnResFunction.apply(v, query_weight, norm_weight, float(eps), cfg)

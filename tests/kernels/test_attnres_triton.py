@@ -4,7 +4,7 @@ Runs on the CPU under `TRITON_INTERPRET=1` (set in conftest.py when there is no 
 Tolerance rule: fp32 inputs rel_err <= 1e-5 forward and 1e-4 backward against the fp32 reference; bf16 inputs
 rel_err <= 1e-2 forward and 2e-2 backward (the incoming gradient is bf16 too) against the fp32
 reference evaluated on the same bf16 values. The same rule holds for every kernel design ("row", "tiled",
-"resident") and every launch configuration tested.
+"resident", "cooperative") and every launch configuration tested.
 """
 
 import os
@@ -81,6 +81,69 @@ def test_resident_matches_reference_forward_backward(N, lead, d, dtype, per_sm, 
     _check_against_reference(N, lead, d, dtype, variant="resident", num_warps=None if d < 100 else 2)
 
 
+# The cooperative design, forward and backward: slices narrower than d (d = 100, 200 leave a partial last slice;
+# 48 / 16 = 3 slices, a slice count not a power of two) and one slice (d <= block_d), groups walking several tokens
+# (the interpreter counts 2 SMs: programs_per_sm 1 gives one group, 8 several) and T = 1 (groups with no token),
+# the prefetch on and off, N padded (3, 5, 9) and not. Under the interpreter each launch runs as a publishing and
+# a mixing pass; compiled on the GPU as one launch whose programs wait for each other.
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("per_sm", [1, 8])
+@pytest.mark.parametrize("N,lead,d,block_d", [(1, (5,), 16, 16), (3, (1,), 48, 16), (2, (3, 7), 100, 32),
+                                              (5, (13,), 200, 64), (9, (2, 9), 64, 16), (4, (6,), 40, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cooperative_matches_reference_forward_backward(N, lead, d, block_d, dtype, per_sm, prefetch, monkeypatch):
+    monkeypatch.setattr(triton_attnres, "COOP_PROGRAMS_PER_SM", per_sm)
+    monkeypatch.setattr(triton_attnres, "COOP_PREFETCH", prefetch)
+    _check_against_reference(N, lead, d, dtype, variant="cooperative", block_d=block_d,
+                             num_warps=None if d < 100 else 2)
+
+
+def test_cooperative_grid_is_groups_of_slices(monkeypatch):
+    # programs = groups x slices, a program's slice is pid % S: with 2 "SMs" and 8 programs an SM, d = 100 in
+    # slices of 32 gives S = 4 and 4 groups (16 programs), fewer groups than tokens
+    seen = []
+    run = triton_attnres._coop_run
+    monkeypatch.setattr(triton_attnres, "_coop_run",
+                        lambda k, g, s, *a, **kw: seen.append((g, s)) or run(k, g, s, *a, **kw))
+    monkeypatch.setattr(triton_attnres, "COOP_PROGRAMS_PER_SM", 8)
+    cands, q, nw = _inputs(3, (21,), 100, torch.float32, seed=21)
+    out = attn_res_triton(cands, q, nw, variant="cooperative", block_d=32)
+    out.sum().backward()
+    if DEVICE == "cpu":
+        assert seen == [(4, 4), (4, 4)]
+    else:
+        assert all(s == 4 and 1 <= g <= 21 for g, s in seen)
+
+
+def test_cooperative_grid_fits_the_gpu_at_once(monkeypatch):
+    # The GPU sizing, without a GPU: a compiled forward of 255 registers at 1 warp takes 8192 of an SM's 65536
+    # registers, so 8 programs an SM fit (under the cap of 16): 132 SMs hold 1056 programs, 150 groups of 7 slices.
+    # The lookup is cached per launch; too few slots for one group of programs raises instead of hanging.
+    from types import SimpleNamespace
+
+    class FakeKernel:
+        calls = 0
+
+        def warmup(self, *args, grid, **kw):
+            FakeKernel.calls += 1
+            meta = SimpleNamespace(num_warps=1, shared=32)
+            return SimpleNamespace(_init_handles=lambda: None, n_regs=255, metadata=meta)
+
+    props = SimpleNamespace(multi_processor_count=132, shared_memory_per_multiprocessor=233472)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(triton_attnres, "_COOP_FIT", {})
+    kernel, args, kw = FakeKernel(), (torch.zeros(1),), dict(T=8192, D=7168, S=7, num_warps=1)
+    cuda = torch.device("cuda", 0)
+    assert triton_attnres._coop_groups(kernel, args, kw, 7, 8192, 16, cuda) == 150
+    assert triton_attnres._coop_groups(kernel, args, {**kw, "T": 5}, 7, 5, 16, cuda) == 5  # fewer tokens than groups
+    assert FakeKernel.calls == 1
+    assert triton_attnres._coop_groups(kernel, args, kw, 7, 8192, 2, cuda) == 2 * 132 // 7  # the cap
+    props.multi_processor_count = 0
+    monkeypatch.setattr(triton_attnres, "_COOP_FIT", {})
+    with pytest.raises(RuntimeError, match="cannot be resident"):
+        triton_attnres._coop_groups(kernel, args, kw, 7, 8192, 16, cuda)
+
+
 def _check_against_reference(N, lead, d, dtype, **kwargs):
     cands, q, nw = _inputs(N, lead, d, dtype, seed=N * 1000 + d)
     out = attn_res_triton(cands, q, nw, 1e-5, **kwargs)
@@ -104,7 +167,7 @@ def _check_against_reference(N, lead, d, dtype, **kwargs):
 
 
 @pytest.mark.parametrize("variant,block_t,block_d", [("row", None, None), ("tiled", None, None), ("tiled", 2, 32),
-                                                     ("resident", None, None)])
+                                                     ("resident", None, None), ("cooperative", None, 16)])
 def test_matches_fla_naive_attnres(variant, block_t, block_d):
     fla_naive = pytest.importorskip("fla.ops.attnres.naive").naive_attnres
     cands, q, nw = _inputs(4, (6,), 48, torch.float32, seed=7)
@@ -116,9 +179,10 @@ def test_matches_fla_naive_attnres(variant, block_t, block_d):
 
 
 @pytest.mark.parametrize("N,d,grad,want", [
-    (3, 40, False, "resident"), (6, 40, False, "resident"), (7, 40, False, "tiled"), (9, 40, False, "tiled"),
-    (3, 40, True, "resident"), (4, 40, True, "tiled"), (9, 40, True, "row"),
-    (6, 16384, False, "tiled"),  # 8 rows of 16384 do not fit one program
+    (3, 40, False, "resident"), (6, 40, False, "resident"), (7, 40, False, "cooperative"),
+    (9, 40, False, "cooperative"), (3, 40, True, "resident"), (6, 40, True, "resident"), (7, 40, True, "cooperative"),
+    (9, 40, True, "cooperative"),
+    (6, 16384, False, "cooperative"),  # 8 rows of 16384 do not fit one program
 ])
 def test_auto_follows_the_measured_rule(N, d, grad, want, monkeypatch):
     seen = []
@@ -128,7 +192,8 @@ def test_auto_follows_the_measured_rule(N, d, grad, want, monkeypatch):
     v = torch.randn(N, 2, d, device=DEVICE, requires_grad=grad)
     w = torch.ones(d, device=DEVICE)
     attn_res_triton(v, w, w)
-    assert seen == [want]
+    attn_res_triton(v, w, w, block_d=16)  # slice sizes asked for: "tiled"
+    assert seen == [want, "tiled"]
 
 
 def test_resident_schedule_rule():
@@ -142,26 +207,26 @@ def test_resident_schedule_rule():
 
 def test_default_variant_switch(monkeypatch):
     """block_t is refused by the row design and accepted by the tiled one, which shows which design runs: "auto"
-    (the default) takes "tiled" when slice sizes are given, "row" for forward + backward over more than 8
-    candidates."""
+    (the default) takes "tiled" when slice sizes are given, and its own choice (cooperative for 9 candidates, with
+    and without gradients) agrees with the reference."""
     cands, q, nw = _inputs(3, (5,), 40, torch.float32, seed=11)
     args = ([c.detach() for c in cands], q.detach(), nw.detach())
     assert triton_attnres.DEFAULT_VARIANT == "auto"
     got = attn_res_triton(*args, block_t=2, block_d=16)  # tiled
     assert rel_err(got, attn_res(*args)) <= 1e-5
     nine, q9, nw9 = _inputs(9, (4,), 32, torch.float32, seed=12)
-    attn_res_triton([c.detach() for c in nine], q9.detach(), nw9.detach(), block_t=2)  # no grad: tiled
-    with pytest.raises(ValueError, match="block_t"):
-        attn_res_triton(nine, q9, nw9, block_t=2)  # grad over 9 candidates: row
+    ref = attn_res([c.detach() for c in nine], q9.detach(), nw9.detach())
+    assert rel_err(attn_res_triton([c.detach() for c in nine], q9.detach(), nw9.detach(), block_t=2), ref) <= 1e-5
     out = attn_res_triton(nine, q9, nw9)
-    out.sum().backward()  # the row design's backward, chosen automatically
+    assert rel_err(out.detach(), ref) <= 1e-5
+    out.sum().backward()  # the cooperative design's backward, chosen automatically
     assert all(c.grad is not None and torch.isfinite(c.grad).all() for c in nine)
     monkeypatch.setattr(triton_attnres, "DEFAULT_VARIANT", "row")
     with pytest.raises(ValueError, match="block_t"):
         attn_res_triton(*args, block_t=2)
 
 
-@pytest.mark.parametrize("variant", ["row", "tiled", "resident"])
+@pytest.mark.parametrize("variant", ["row", "tiled", "resident", "cooperative"])
 def test_stacked_input_and_errors(variant):
     cands, q, nw = _inputs(3, (4,), 32, torch.float32, seed=3)
     stacked = torch.stack([c.detach() for c in cands])
@@ -182,6 +247,8 @@ def test_stacked_input_and_errors(variant):
         (dict(variant="row", block_d=64), "block_t and block_d"),
         (dict(variant="resident", block_t=2), "block_t and block_d"),
         (dict(variant="resident", num_warps=48), "num_warps"),
+        (dict(variant="cooperative", block_t=2), "block_t applies only"),
+        (dict(variant="cooperative", block_d=24), "block_d"),
         (dict(variant="tiled", block_t=3), "block_t"),
         (dict(variant="tiled", block_t=0), "block_t"),
         (dict(variant="tiled", block_t=32), "block_t"),
@@ -207,9 +274,29 @@ def test_resident_refuses_a_tile_too_wide():
         attn_res_triton(v, w, w, variant="resident")
 
 
+def test_cooperative_refuses_a_slice_too_wide():
+    # 9 candidates keep 9 rows: 9 x 8192 is over the 64K elements one program may hold, 9 x 4096 is not
+    v = torch.zeros(9, 1, 8192, device=DEVICE)
+    w = torch.ones(8192, device=DEVICE)
+    with pytest.raises(ValueError, match="smaller block_d"):
+        attn_res_triton(v, w, w, variant="cooperative", block_d=8192)
+    assert triton_attnres._coop_cfg(9, 8192, 4096, None) == (8, 1, 4096, 2, 4)
+
+
+def test_cooperative_default_warps():
+    # ~288 values of the tile a thread forward, ~144 backward (measured on the H200: 1 and 2 warps at N = 9 and
+    # 1024-wide slices); 16 rows take more warps, a narrow d fewer lanes
+    assert triton_attnres._coop_cfg(9, 7168, 1024, None) == (8, 1, 1024, 7, 1)
+    assert triton_attnres._coop_cfg(9, 7168, 1024, None, backward=True) == (8, 1, 1024, 7, 2)
+    assert triton_attnres._coop_cfg(16, 7168, 1024, None) == (16, 0, 1024, 7, 2)
+    assert triton_attnres._coop_cfg(7, 7168, 1024, None, backward=True) == (4, 4, 1024, 7, 2)
+    assert triton_attnres._coop_cfg(9, 7168, 2048, 8, backward=True)[-1] == 8  # asked for: kept
+
+
 @pytest.mark.parametrize("name,value", [("TILED_PASS2", "both"), ("TILED_PROGRAMS_PER_SM", 0),
                                         ("TILED_PROGRAMS_PER_SM", 1.5), ("RESIDENT_PROGRAMS_PER_SM", 0),
-                                        ("RESIDENT_PROGRAMS_PER_SM", None), ("RESIDENT_STAGES", 0)])
+                                        ("RESIDENT_PROGRAMS_PER_SM", None), ("RESIDENT_STAGES", 0),
+                                        ("COOP_PROGRAMS_PER_SM", 0)])
 def test_bad_module_settings(monkeypatch, name, value):
     cands, q, nw = _inputs(2, (3,), 16, torch.float32, seed=9)
     monkeypatch.setattr(triton_attnres, name, value)
