@@ -94,15 +94,15 @@ def _timer(device):
 
 
 _SETTINGS = ("TILED_PASS2", "TILED_PROGRAMS_PER_SM", "RESIDENT_PREFETCH", "RESIDENT_PROGRAMS_PER_SM", "RESIDENT_STAGES",
-             "COOP_PREFETCH", "COOP_PROGRAMS_PER_SM")
+             "COOP_PROGRAMS_PER_SM")
 
 
 def compare_variants(T, d, device="cuda", max_configs=20, pass2=("split",), per_sm=(None,), tiled=None, resident=(),
                      coop=()):
     """"row" (default launch) vs "tiled" over `tiled_configs` or the given `tiled` (block_t, block_d, num_warps)
     list (and each `TILED_PASS2` form in `pass2`) vs "resident" over `resident` (num_warps, prefetch,
-    programs per SM, stages) where a token's tile fits vs "cooperative" over `coop` (num_warps, block_d, prefetch,
-    programs per SM), stacked [N, T, d] bf16, N = 3, 6, 9."""
+    programs per SM, stages) where a token's tile fits vs "cooperative" over `coop` (num_warps, block_d, programs
+    per SM), stacked [N, T, d] bf16, N = 3, 6, 9."""
     bench = _timer(device)
     before = {k: getattr(triton_attnres, k) for k in _SETTINGS}
     try:
@@ -134,7 +134,7 @@ def _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident,
         runs += [("tiled", c, (form, k)) for form in pass2 for k in per_sm for c in cfgs]
         if triton_attnres._resident_fits(N, d):
             runs += [("resident", (None, None, w), (f"prefetch={int(pf)} stages={st}", k)) for w, pf, k, st in resident]
-        runs += [("cooperative", (None, bd, w), (f"prefetch={int(pf)}", k)) for w, bd, pf, k in coop]
+        runs += [("cooperative", (None, bd, w), ("-", k)) for w, bd, k in coop]
         for variant, cfg, form in runs:
             bt, bd, warps = cfg
             kw = dict(variant=variant, block_t=bt, block_d=bd, num_warps=warps)
@@ -147,7 +147,6 @@ def _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident,
                 triton_attnres.RESIDENT_STAGES = int(st.split("=")[1])
                 triton_attnres.RESIDENT_PROGRAMS_PER_SM = form[1]
             if variant == "cooperative":
-                triton_attnres.COOP_PREFETCH = form[0] == "prefetch=1"
                 triton_attnres.COOP_PROGRAMS_PER_SM = form[1]
             try:
                 with torch.no_grad():
@@ -220,7 +219,7 @@ def main():
                     help="--variants: resident configs 'num_warps:prefetch(0/1):programs_per_sm:stages,...' (N where "
                          "the tile fits)")
     ap.add_argument("--cooperative", default="",
-                    help="--variants: cooperative configs 'num_warps:block_d:prefetch(0/1):programs_per_sm,...'")
+                    help="--variants: cooperative configs 'num_warps:block_d:programs_per_sm,...'")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="--variants only; cpu needs TRITON_INTERPRET=1 (a smoke run, timings meaningless)")
     args = ap.parse_args()
@@ -246,10 +245,10 @@ def main():
         try:
             tiled = None if args.tiled_configs is None else tuples(args.tiled_configs, 3)
             resident = [(w, bool(pf), k, st) for w, pf, k, st in tuples(args.resident, 4)]
-            coop = [(w, bd, bool(pf), k) for w, bd, pf, k in tuples(args.cooperative, 4)]
+            coop = tuples(args.cooperative, 3)
         except ValueError:
             ap.error("--tiled-configs takes block_t:block_d:num_warps, --resident num_warps:prefetch:per_sm:stages and "
-                     "--cooperative num_warps:block_d:prefetch:per_sm, comma-separated")
+                     "--cooperative num_warps:block_d:per_sm, comma-separated")
         compare_variants(T, d, args.device, args.max_configs, forms, per_sm, tiled, resident, coop)
         return
     if args.device != "cuda":

@@ -112,17 +112,15 @@ RESIDENT_STAGES = None
 _RESIDENT_PREFETCH_ROWS = 3
 # "cooperative": the most programs an SM of its persistent grid (fewer where the compiled kernel's registers or
 # shared memory allow fewer: the grid must be resident as a whole, since each program waits for the other slices
-# of its tokens), the default d-slice width and whether the next token's tile is loaded into registers before
-# the current one's exchange. Without `num_warps`, the forward takes about 288 values of the tile a thread and the
-# backward 144 (`_COOP_VALUES_PER_THREAD`). Measured on the H200 (sixteenth session, N = 9, T = 8K, d = 7168): the
+# of its tokens) and the default d-slice width. Without `num_warps`, the forward takes about 288 values of the tile
+# a thread and the backward 144 (`_COOP_VALUES_PER_THREAD`). Measured on the H200 (sixteenth session, N = 9, T = 8K, d = 7168): the
 # forward at 1 warp and 1024-wide slices 0.376 ms, 2 warps 0.414, 4 warps and 2048 0.434, 8 warps 0.59-0.60; the
 # forward + backward with 2 warps and 1024 for both 1.147 ms, 1 warp 1.547 (its backward spills 1.2 KB a
-# thread); the prefetch loses everywhere (0.508 against 0.414 ms at 2 warps: its registers halve the programs an
-# SM).
+# thread). A form that loaded the next token's tile into registers before the wait lost at every launch on both
+# GPUs (0.508 against 0.414 ms at 2 warps: its registers halved the programs an SM) and was removed.
 # `benchmarks/attnres.py --variants --cooperative ...` sweeps them.
 COOP_PROGRAMS_PER_SM = 16
 COOP_BLOCK_D = 1024
-COOP_PREFETCH = False
 _COOP_VALUES_PER_THREAD = {False: 288, True: 144}  # forward, backward
 _MAX_TILE = 1 << 16  # elements of one [BLOCK_T, NP, BLOCK_D] tile: beyond this the registers spill hopelessly
 
@@ -523,27 +521,20 @@ def _coop_program(W, T, D, S, N: tl.constexpr, NA: tl.constexpr, NB: tl.constexp
 @triton.jit
 def _attnres_fwd_coop(
     V, W, O, ALPHA, RS, PS, PART, CNT, T, D, eps, S, N: tl.constexpr, NA: tl.constexpr, NB: tl.constexpr,
-    SP: tl.constexpr, SAVE_STATS: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, PHASE: tl.constexpr,
+    SP: tl.constexpr, SAVE_STATS: tl.constexpr, BLOCK_D: tl.constexpr, PHASE: tl.constexpr,
 ):
     # A persistent grid of G groups of S programs: program (g, s) owns the d-slice s (BLOCK_D wide) of tokens
     # g, g + G, ... It loads its `[N, BLOCK_D]` tile of a token once, publishes the slice's partial sums
     # ss_i = sum v_i^2 and p_i = <v_i, w> to PART, waits for the token's other S - 1 slices (a counter per token),
     # adds the S partials up and mixes its slice from the same registers: every byte is read once, as in
-    # "resident", but with small tiles and many programs an SM (with PREFETCH, the next token's tile is loaded
-    # before the wait; it costs registers, so fewer programs fit, and lost where measured).
+    # "resident", but with small tiles and many programs an SM, whose loads overlap each other's waits.
     # PHASE 0 = all of it; the interpreter, which runs programs one after another (a wait there would never end),
     # launches PHASE 1 (publish only) and then PHASE 2 (reload and mix, no wait) instead.
     G, g, s, offs_d, dmask, w, rows_a, mask_a, rows_b, mask_b = _coop_program(W, T, D, S, N, NA, NB, BLOCK_D)
     NT: tl.constexpr = NA + NB
-    if PREFETCH:
-        va_next, vb_next = _load_tiles(V, rows_a, mask_a, rows_b, mask_b, g, T, D, NA, NB)
     for j in tl.range(0, tl.cdiv(T - g, G)):
         t = g + j * G
-        if PREFETCH:
-            va, vb = va_next, vb_next
-            va_next, vb_next = _load_tiles(V, rows_a, mask_a, rows_b, mask_b, t + G, T, D, NA, NB)
-        else:
-            va, vb = _load_tiles(V, rows_a, mask_a, rows_b, mask_b, t, T, D, NA, NB)
+        va, vb = _load_tiles(V, rows_a, mask_a, rows_b, mask_b, t, T, D, NA, NB)
         if PHASE != 2:
             fa = va.to(tl.float32)
             _coop_put(PART, tl.sum(fa * fa, axis=1), t, s, S, 0, 2, 0, NA, NT)
@@ -572,7 +563,7 @@ def _attnres_fwd_coop(
 @triton.jit
 def _attnres_bwd_coop(
     V, W, DO, ALPHA, RS, PS, DV, DW, PART, CNT, T, D, S, N: tl.constexpr, NA: tl.constexpr, NB: tl.constexpr,
-    SP: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, PHASE: tl.constexpr,
+    SP: tl.constexpr, BLOCK_D: tl.constexpr, PHASE: tl.constexpr,
 ):
     # The forward's groups and slices: program (g, s) publishes its slice's partial dalpha_i = <dout, v_i>, waits
     # for the token's other slices, then writes its slice of every dv_i from the same registers. dw: one partial
@@ -581,18 +572,9 @@ def _attnres_bwd_coop(
     NT: tl.constexpr = NA + NB
     dw = tl.zeros([BLOCK_D], dtype=tl.float32)
     do_rows = offs_d[None, :].to(tl.int64)  # [1, BLOCK_D]: dout is one row a token
-    if PREFETCH:
-        va_next, vb_next, do_next = _load_bwd_tiles(V, DO, rows_a, mask_a, rows_b, mask_b, do_rows, dmask[None, :],
-                                                    g, T, D, NA, NB)
     for j in tl.range(0, tl.cdiv(T - g, G)):
         t = g + j * G
-        if PREFETCH:
-            va, vb, do = va_next, vb_next, do_next
-            va_next, vb_next, do_next = _load_bwd_tiles(V, DO, rows_a, mask_a, rows_b, mask_b, do_rows,
-                                                        dmask[None, :], t + G, T, D, NA, NB)
-        else:
-            va, vb, do = _load_bwd_tiles(V, DO, rows_a, mask_a, rows_b, mask_b, do_rows, dmask[None, :], t, T, D,
-                                         NA, NB)
+        va, vb, do = _load_bwd_tiles(V, DO, rows_a, mask_a, rows_b, mask_b, do_rows, dmask[None, :], t, T, D, NA, NB)
         fdo = do.to(tl.float32)  # [1, BLOCK_D]
         if PHASE != 2:
             _coop_put(PART, tl.sum(va.to(tl.float32) * fdo, axis=1), t, s, S, 0, 1, 0, NA, NT)
@@ -865,8 +847,7 @@ def _resident_launch(N: int, D: int, num_warps, prefetch, stages, extra_rows: in
 class _AttnResFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, v, query_weight, norm_weight, eps, cfg):
-        (variant, block_t, block_d, num_warps, split, per_sm, chunk, res_per_sm, prefetch, stages, coop_per_sm,
-         coop_prefetch) = cfg
+        variant, block_t, block_d, num_warps, split, per_sm, chunk, res_per_sm, prefetch, stages, coop_per_sm = cfg
         N, D = v.shape[0], v.shape[-1]
         lead = v.shape[1:-1]
         v3 = v.reshape(N, -1, D).contiguous()  # [N, T, D], T = all leading token dims
@@ -885,7 +866,7 @@ class _AttnResFunction(torch.autograd.Function):
                 part = torch.empty(T * 2 * S * (NA + NB), device=v.device, dtype=torch.float32)  # [T, 2, S, NA + NB]
                 args = (v3, w, out, alpha, rs, ps, part)
                 kw = dict(T=T, D=D, eps=eps, S=S, N=N, NA=NA, NB=NB, SP=triton.next_power_of_2(S), SAVE_STATS=grad,
-                          BLOCK_D=BLOCK_D, PREFETCH=coop_prefetch, num_warps=warps)
+                          BLOCK_D=BLOCK_D, num_warps=warps)
                 G = _coop_groups(_attnres_fwd_coop, args, kw, S, T, coop_per_sm, v.device)
                 _coop_run(_attnres_fwd_coop, G, S, args, T, v.device, **kw)
             elif T > 0 and variant == "resident":
@@ -916,8 +897,7 @@ class _AttnResFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        (variant, block_t, block_d, num_warps, split, per_sm, chunk, res_per_sm, prefetch, stages, coop_per_sm,
-         coop_prefetch) = ctx.cfg
+        variant, block_t, block_d, num_warps, split, per_sm, chunk, res_per_sm, prefetch, stages, coop_per_sm = ctx.cfg
         if variant in ("tiled", "resident", "cooperative"):
             v3, w, alpha, rs, ps, query_weight, norm_weight = ctx.saved_tensors
         else:
@@ -929,7 +909,7 @@ class _AttnResFunction(torch.autograd.Function):
             NA, NB, BLOCK_D, S, warps = _coop_cfg(N, D, block_d, num_warps, backward=True)
             part = torch.empty(T * S * (NA + NB), device=v3.device, dtype=torch.float32)  # [T, 1, S, NA + NB]
             kw = dict(T=T, D=D, S=S, N=N, NA=NA, NB=NB, SP=triton.next_power_of_2(S), BLOCK_D=BLOCK_D,
-                      PREFETCH=coop_prefetch, num_warps=warps)
+                      num_warps=warps)
             dw_probe = torch.empty(1, device=v3.device, dtype=torch.float32)
             n_prog = _coop_groups(_attnres_bwd_coop, (v3, w, do, alpha, rs, ps, dv, dw_probe, part), kw, S, T,
                                   coop_per_sm, v3.device)  # dw: one partial row per group
@@ -1041,5 +1021,5 @@ def attn_res_triton(
         _check_pow2("COOP_BLOCK_D", block_d, 16, 16384)
         _coop_cfg(v.shape[0], d, block_d, num_warps)
     cfg = (variant, block_t, block_d, num_warps, TILED_PASS2 == "split", per_sm, _TILED_CHUNK, res_per_sm,
-           RESIDENT_PREFETCH, RESIDENT_STAGES, COOP_PROGRAMS_PER_SM, bool(COOP_PREFETCH))
+           RESIDENT_PREFETCH, RESIDENT_STAGES, COOP_PROGRAMS_PER_SM)
     return _AttnResFunction.apply(v, query_weight, norm_weight, float(eps), cfg)

@@ -84,16 +84,14 @@ def test_resident_matches_reference_forward_backward(N, lead, d, dtype, per_sm, 
 # The cooperative design, forward and backward: slices narrower than d (d = 100, 200 leave a partial last slice;
 # 48 / 16 = 3 slices, a slice count not a power of two) and one slice (d <= block_d), groups walking several tokens
 # (the interpreter counts 2 SMs: programs_per_sm 1 gives one group, 8 several) and T = 1 (groups with no token),
-# the prefetch on and off, N padded (3, 5, 9) and not. Under the interpreter each launch runs as a publishing and
+# N padded (3, 5, 9) and not. Under the interpreter each launch runs as a publishing and
 # a mixing pass; compiled on the GPU as one launch whose programs wait for each other.
-@pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("per_sm", [1, 8])
 @pytest.mark.parametrize("N,lead,d,block_d", [(1, (5,), 16, 16), (3, (1,), 48, 16), (2, (3, 7), 100, 32),
                                               (5, (13,), 200, 64), (9, (2, 9), 64, 16), (4, (6,), 40, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cooperative_matches_reference_forward_backward(N, lead, d, block_d, dtype, per_sm, prefetch, monkeypatch):
+def test_cooperative_matches_reference_forward_backward(N, lead, d, block_d, dtype, per_sm, monkeypatch):
     monkeypatch.setattr(triton_attnres, "COOP_PROGRAMS_PER_SM", per_sm)
-    monkeypatch.setattr(triton_attnres, "COOP_PREFETCH", prefetch)
     _check_against_reference(N, lead, d, dtype, variant="cooperative", block_d=block_d,
                              num_warps=None if d < 100 else 2)
 
