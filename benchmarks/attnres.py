@@ -16,6 +16,12 @@ and against "row" (gradients) before it is timed, then prints one markdown table
 
 `--pass2 split,tile` also times the tiled kernels' other second-sweep form (`TILED_PASS2`) and
 `--programs-per-sm none,2,4` caps on resident programs (`TILED_PROGRAMS_PER_SM`); each multiplies the tiled runs.
+`--tiled-configs` (instead of the pruned tiled sweep), `--resident` and `--cooperative` name launches to time;
+`--rounds 3` times every run three times, round-robin over the runs of an N, and reports the median (single timings
+of these kernels have varied by up to 2x between runs of the same launch):
+
+    . scripts/device_env.sh && python3 -u benchmarks/attnres.py --variants --rounds 3 --tiled-configs 1:1024:4 \
+        --resident 16:1:1:1,16:0:1:2 --cooperative 1:1024:16,2:1024:16,4:2048:4
 
 A tiny CPU smoke run of the same code path (interpreter, one timed call per config, timings meaningless):
 
@@ -24,6 +30,7 @@ A tiny CPU smoke run of the same code path (interpreter, one timed call per conf
 
 import argparse
 import os
+import statistics
 import time
 
 import torch
@@ -98,21 +105,34 @@ _SETTINGS = ("TILED_PASS2", "TILED_PROGRAMS_PER_SM", "RESIDENT_PREFETCH", "RESID
 
 
 def compare_variants(T, d, device="cuda", max_configs=20, pass2=("split",), per_sm=(None,), tiled=None, resident=(),
-                     coop=()):
+                     coop=(), rounds=1):
     """"row" (default launch) vs "tiled" over `tiled_configs` or the given `tiled` (block_t, block_d, num_warps)
     list (and each `TILED_PASS2` form in `pass2`) vs "resident" over `resident` (num_warps, prefetch,
     programs per SM, stages) where a token's tile fits vs "cooperative" over `coop` (num_warps, block_d, programs
-    per SM), stacked [N, T, d] bf16, N = 3, 6, 9."""
+    per SM), stacked [N, T, d] bf16, N = 3, 6, 9; each timed `rounds` times, round-robin over the runs of an N."""
     bench = _timer(device)
     before = {k: getattr(triton_attnres, k) for k in _SETTINGS}
     try:
-        _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident, coop, bench)
+        _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident, coop, rounds, bench)
     finally:
         for k, v in before.items():
             setattr(triton_attnres, k, v)
 
 
-def _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident, coop, bench):
+def _apply_settings(variant, form):
+    """The module settings a run needs (read by attn_res_triton at each call)."""
+    if variant == "tiled":
+        triton_attnres.TILED_PASS2, triton_attnres.TILED_PROGRAMS_PER_SM = form
+    if variant == "resident":
+        pf, st = form[0].split()
+        triton_attnres.RESIDENT_PREFETCH = pf == "prefetch=1"
+        triton_attnres.RESIDENT_STAGES = int(st.split("=")[1])
+        triton_attnres.RESIDENT_PROGRAMS_PER_SM = form[1]
+    if variant == "cooperative":
+        triton_attnres.COOP_PROGRAMS_PER_SM = form[1]
+
+
+def _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident, coop, rounds, bench):
     rows = []
     best = {}
     for N in (3, 6, 9):
@@ -135,19 +155,12 @@ def _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident,
         if triton_attnres._resident_fits(N, d):
             runs += [("resident", (None, None, w), (f"prefetch={int(pf)} stages={st}", k)) for w, pf, k, st in resident]
         runs += [("cooperative", (None, bd, w), ("-", k)) for w, bd, k in coop]
+        checked = []  # (variant, cfg, form, kw, label, err, gerr) of the runs that compiled and ran
         for variant, cfg, form in runs:
             bt, bd, warps = cfg
             kw = dict(variant=variant, block_t=bt, block_d=bd, num_warps=warps)
             label = f"N={N} {variant} block_t={bt} block_d={bd} num_warps={warps} {form[0]} programs/SM={form[1]}"
-            if variant == "tiled":  # module settings, read by attn_res_triton at each call
-                triton_attnres.TILED_PASS2, triton_attnres.TILED_PROGRAMS_PER_SM = form
-            if variant == "resident":
-                pf, st = form[0].split()
-                triton_attnres.RESIDENT_PREFETCH = pf == "prefetch=1"
-                triton_attnres.RESIDENT_STAGES = int(st.split("=")[1])
-                triton_attnres.RESIDENT_PROGRAMS_PER_SM = form[1]
-            if variant == "cooperative":
-                triton_attnres.COOP_PROGRAMS_PER_SM = form[1]
+            _apply_settings(variant, form)
             try:
                 with torch.no_grad():
                     err = ((attn_res_triton(stacked, q, nw, 1e-5, **kw).float() - ref).abs().max() / scale).item()
@@ -161,21 +174,34 @@ def _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident,
                     gerr = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
                                for a, b in zip(grads, grads_row))
                 del grads
-                with torch.no_grad():
-                    f_ms = bench(lambda: attn_res_triton(stacked, q, nw, 1e-5, **kw))
-                fb_ms = bench(lambda: attn_res_triton(v_leaf, qg, nwg, 1e-5, **kw).backward(dout),
-                              grad_to_none=[v_leaf, qg, nwg])
             except Exception as exc:  # a config that does not compile (or run out of resources) must not stop the sweep
                 print(f"{label}: failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
                       flush=True)
                 if variant == "row":
                     raise
                 continue
+            checked.append((variant, cfg, form, kw, label, err, gerr))
+        # Timed in `rounds` passes over all the runs (round-robin), so a slow spell of the GPU does not land on one
+        # run; the median is reported, and every pass's figure printed.
+        times = [[] for _ in checked]
+        for _ in range(rounds):
+            for i, (variant, cfg, form, kw, label, err, gerr) in enumerate(checked):
+                _apply_settings(variant, form)
+                with torch.no_grad():
+                    f_ms = bench(lambda: attn_res_triton(stacked, q, nw, 1e-5, **kw))
+                fb_ms = bench(lambda: attn_res_triton(v_leaf, qg, nwg, 1e-5, **kw).backward(dout),
+                              grad_to_none=[v_leaf, qg, nwg])
+                times[i].append((f_ms, fb_ms))
+        for (variant, cfg, form, kw, label, err, gerr), ts in zip(checked, times):
+            bt, bd, warps = cfg
+            f_ms, fb_ms = statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)
             ok = "" if err < 2e-2 and gerr < 5e-2 else "  WRONG"
             f_bw, fb_bw = fwd_bytes / f_ms / 1e9, (fwd_bytes + bwd_bytes) / fb_ms / 1e9
             rows.append((N, variant, form, bt, bd, warps, err, gerr, f_ms, f_bw, fb_ms, fb_bw, ok))
+            passes = "" if rounds == 1 else (f" (passes: fwd {' / '.join(f'{t[0]:.3f}' for t in ts)}, fwd+bwd "
+                                             f"{' / '.join(f'{t[1]:.3f}' for t in ts)})")
             print(f"{label}: rel err {err:.1e}, grad rel err vs row {gerr:.1e}{ok}, fwd {f_ms:.3f} ms "
-                  f"({f_bw:.2f} TB/s), fwd+bwd {fb_ms:.3f} ms ({fb_bw:.2f} TB/s)", flush=True)
+                  f"({f_bw:.2f} TB/s), fwd+bwd {fb_ms:.3f} ms ({fb_bw:.2f} TB/s){passes}", flush=True)
             if variant != "row" and not ok:
                 for key, ms in (("fwd", f_ms), ("fwd+bwd", fb_ms)):
                     if (N, key) not in best or ms < best[N, key][0]:
@@ -220,6 +246,8 @@ def main():
                          "the tile fits)")
     ap.add_argument("--cooperative", default="",
                     help="--variants: cooperative configs 'num_warps:block_d:programs_per_sm,...'")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="--variants: time every run this many times, round-robin, and report the median")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="--variants only; cpu needs TRITON_INTERPRET=1 (a smoke run, timings meaningless)")
     args = ap.parse_args()
@@ -249,7 +277,9 @@ def main():
         except ValueError:
             ap.error("--tiled-configs takes block_t:block_d:num_warps, --resident num_warps:prefetch:per_sm:stages and "
                      "--cooperative num_warps:block_d:per_sm, comma-separated")
-        compare_variants(T, d, args.device, args.max_configs, forms, per_sm, tiled, resident, coop)
+        if args.rounds < 1:
+            ap.error("--rounds must be >= 1")
+        compare_variants(T, d, args.device, args.max_configs, forms, per_sm, tiled, resident, coop, args.rounds)
         return
     if args.device != "cuda":
         ap.error("--device cpu is supported with --variants only")
