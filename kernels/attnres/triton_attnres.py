@@ -113,11 +113,11 @@ _RESIDENT_PREFETCH_ROWS = 3
 # "cooperative": the most programs an SM of its persistent grid (fewer where the compiled kernel's registers or
 # shared memory allow fewer: the grid must be resident as a whole, since each program waits for the other slices
 # of its tokens) and the default d-slice width. Without `num_warps`, the forward takes about 288 values of the tile
-# a thread and the backward 144 (`_COOP_VALUES_PER_THREAD`). Measured on the H200 (sixteenth session, N = 9, T = 8K, d = 7168): the
-# forward at 1 warp and 1024-wide slices 0.376 ms, 2 warps 0.414, 4 warps and 2048 0.434, 8 warps 0.59-0.60; the
-# forward + backward with 2 warps and 1024 for both 1.147 ms, 1 warp 1.547 (its backward spills 1.2 KB a
-# thread). A form that loaded the next token's tile into registers before the wait lost at every launch on both
-# GPUs (0.508 against 0.414 ms at 2 warps: its registers halved the programs an SM) and was removed.
+# a thread and the backward 144 (`_COOP_VALUES_PER_THREAD`). Measured on the H200 (sixteenth session, N = 9,
+# T = 8K, d = 7168): the forward at 1 warp and 1024-wide slices 0.376 ms, 2 warps 0.414, 4 warps and 2048 0.434,
+# 8 warps 0.59-0.60; the forward + backward with 2 warps and 1024 for both 1.147 ms, 1 warp 1.547 (its backward
+# spills 1.2 KB a thread). A form that loaded the next token's tile into registers before the wait lost at every
+# launch on both GPUs (0.508 against 0.414 ms at 2 warps: its registers halved the programs an SM) and was removed.
 # `benchmarks/attnres.py --variants --cooperative ...` sweeps them.
 COOP_PROGRAMS_PER_SM = 16
 COOP_BLOCK_D = 1024
@@ -794,10 +794,12 @@ _REGS_PER_SM, _THREADS_PER_SM, _BLOCKS_PER_SM = 65536, 2048, 32
 _COOP_FIT: dict = {}  # programs an SM that fit, per compiled launch (the warmup lookup costs tens of microseconds)
 
 
-def _coop_groups(kernel, args, kw, S: int, T: int, per_sm: int, device) -> int:
-    """G, the groups of S programs of a cooperative launch: at most `per_sm` programs an SM, and never more than
-    the SMs can hold at once (from the compiled kernel's registers and shared memory), since a program waits for
-    the other programs of its group and a group not wholly resident would wait for SMs its own members hold."""
+def _coop_groups(kernel, args, kw, per_sm: int, device) -> int:
+    """G, the groups of S = kw["S"] programs of a cooperative launch over T = kw["T"] tokens: at most `per_sm`
+    programs an SM, and never more than the SMs can hold at once (from the compiled kernel's registers and shared
+    memory), since a program waits for the other programs of its group and a group not wholly resident would wait
+    for SMs its own members hold."""
+    S, T = kw["S"], kw["T"]
     if device.type != "cuda":
         return max(1, min(T, per_sm * _sm_count(device) // S))
     props = torch.cuda.get_device_properties(device)
@@ -817,15 +819,15 @@ def _coop_groups(kernel, args, kw, S: int, T: int, per_sm: int, device) -> int:
     return max(1, min(T, fit * props.multi_processor_count // S))
 
 
-def _coop_run(kernel, n_groups: int, n_slices: int, args, n_tokens: int, device, **kw):
-    """Launch a cooperative kernel over n_groups groups of n_slices programs: one launch with the exchange on a GPU;
+def _coop_run(kernel, n_groups: int, args, device, **kw):
+    """Launch a cooperative kernel over n_groups groups of kw["S"] programs: one launch with the exchange on a GPU;
     under the interpreter, which runs the programs one after another, a publishing launch and then a mixing one
     (PHASE 1, 2) over the same buffers."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         for phase in (1, 2):
-            kernel[(n_groups * n_slices,)](*args, torch.empty(1, device=device, dtype=torch.int32), **kw, PHASE=phase)
+            kernel[(n_groups * kw["S"],)](*args, torch.empty(1, device=device, dtype=torch.int32), **kw, PHASE=phase)
     else:
-        kernel[(n_groups * n_slices,)](*args, torch.zeros(n_tokens, device=device, dtype=torch.int32), **kw, PHASE=0)
+        kernel[(n_groups * kw["S"],)](*args, torch.zeros(kw["T"], device=device, dtype=torch.int32), **kw, PHASE=0)
 
 
 _SHARED_BUDGET = 200 * 1024  # of the H200's 227 KB a block may use, leaving room for the reductions' scratch
@@ -867,8 +869,8 @@ class _AttnResFunction(torch.autograd.Function):
                 args = (v3, w, out, alpha, rs, ps, part)
                 kw = dict(T=T, D=D, eps=eps, S=S, N=N, NA=NA, NB=NB, SP=triton.next_power_of_2(S), SAVE_STATS=grad,
                           BLOCK_D=BLOCK_D, num_warps=warps)
-                G = _coop_groups(_attnres_fwd_coop, args, kw, S, T, coop_per_sm, v.device)
-                _coop_run(_attnres_fwd_coop, G, S, args, T, v.device, **kw)
+                G = _coop_groups(_attnres_fwd_coop, args, kw, coop_per_sm, v.device)
+                _coop_run(_attnres_fwd_coop, G, args, v.device, **kw)
             elif T > 0 and variant == "resident":
                 NA, NB, BLOCK_D, warps, prefetch, st = _resident_launch(N, D, num_warps, prefetch, stages, 0,
                                                                         v3.element_size())
@@ -911,8 +913,8 @@ class _AttnResFunction(torch.autograd.Function):
             kw = dict(T=T, D=D, S=S, N=N, NA=NA, NB=NB, SP=triton.next_power_of_2(S), BLOCK_D=BLOCK_D,
                       num_warps=warps)
             dw_probe = torch.empty(1, device=v3.device, dtype=torch.float32)
-            n_prog = _coop_groups(_attnres_bwd_coop, (v3, w, do, alpha, rs, ps, dv, dw_probe, part), kw, S, T,
-                                  coop_per_sm, v3.device)  # dw: one partial row per group
+            n_prog = _coop_groups(_attnres_bwd_coop, (v3, w, do, alpha, rs, ps, dv, dw_probe, part), kw, coop_per_sm,
+                                  v3.device)  # dw: one partial row per group
         elif variant == "resident":
             NA, NB, BLOCK_D, warps, prefetch, st = _resident_launch(N, D, num_warps, prefetch, stages, 1,
                                                                     v3.element_size())  # + the dout row
@@ -927,8 +929,7 @@ class _AttnResFunction(torch.autograd.Function):
         if T == 0:
             dw_part.zero_()
         elif variant == "cooperative":
-            _coop_run(_attnres_bwd_coop, n_prog, S, (v3, w, do, alpha, rs, ps, dv, dw_part, part), T, v3.device,
-                      **kw)
+            _coop_run(_attnres_bwd_coop, n_prog, (v3, w, do, alpha, rs, ps, dv, dw_part, part), v3.device, **kw)
         elif variant == "resident":
             _attnres_bwd_resident[(n_prog,)](
                 v3, w, do, alpha, rs, ps, dv, dw_part, T, D, N=N, NA=NA, NB=NB, BLOCK_D=BLOCK_D, PREFETCH=prefetch,

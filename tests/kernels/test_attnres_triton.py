@@ -102,7 +102,7 @@ def test_cooperative_grid_is_groups_of_slices(monkeypatch):
     seen = []
     run = triton_attnres._coop_run
     monkeypatch.setattr(triton_attnres, "_coop_run",
-                        lambda k, g, s, *a, **kw: seen.append((g, s)) or run(k, g, s, *a, **kw))
+                        lambda k, g, *a, **kw: seen.append((g, kw["S"])) or run(k, g, *a, **kw))
     monkeypatch.setattr(triton_attnres, "COOP_PROGRAMS_PER_SM", 8)
     cands, q, nw = _inputs(3, (21,), 100, torch.float32, seed=21)
     out = attn_res_triton(cands, q, nw, variant="cooperative", block_d=32)
@@ -132,14 +132,14 @@ def test_cooperative_grid_fits_the_gpu_at_once(monkeypatch):
     monkeypatch.setattr(triton_attnres, "_COOP_FIT", {})
     kernel, args, kw = FakeKernel(), (torch.zeros(1),), dict(T=8192, D=7168, S=7, num_warps=1)
     cuda = torch.device("cuda", 0)
-    assert triton_attnres._coop_groups(kernel, args, kw, 7, 8192, 16, cuda) == 150
-    assert triton_attnres._coop_groups(kernel, args, {**kw, "T": 5}, 7, 5, 16, cuda) == 5  # fewer tokens than groups
+    assert triton_attnres._coop_groups(kernel, args, kw, 16, cuda) == 150
+    assert triton_attnres._coop_groups(kernel, args, {**kw, "T": 5}, 16, cuda) == 5  # fewer tokens than groups
     assert FakeKernel.calls == 1
-    assert triton_attnres._coop_groups(kernel, args, kw, 7, 8192, 2, cuda) == 2 * 132 // 7  # the cap
+    assert triton_attnres._coop_groups(kernel, args, kw, 2, cuda) == 2 * 132 // 7  # the cap
     props.multi_processor_count = 0
     monkeypatch.setattr(triton_attnres, "_COOP_FIT", {})
     with pytest.raises(RuntimeError, match="cannot be resident"):
-        triton_attnres._coop_groups(kernel, args, kw, 7, 8192, 16, cuda)
+        triton_attnres._coop_groups(kernel, args, kw, 16, cuda)
 
 
 def _check_against_reference(N, lead, d, dtype, **kwargs):
