@@ -16,12 +16,13 @@ and against "row" (gradients) before it is timed, then prints one markdown table
 
 `--pass2 split,tile` also times the tiled kernels' other second-sweep form (`TILED_PASS2`) and
 `--programs-per-sm none,2,4` caps on resident programs (`TILED_PROGRAMS_PER_SM`); each multiplies the tiled runs.
-`--tiled-configs` (instead of the pruned tiled sweep), `--resident` and `--cooperative` name launches to time;
-`--rounds 3` times every run three times, round-robin over the runs of an N, and reports the median (single timings
-of these kernels have varied by up to 2x between runs of the same launch):
+`--tiled-configs` (instead of the pruned tiled sweep), `--resident` and `--cooperative` name launches to time
+(a cooperative num_warps of 0 takes each kernel's default); `--ns` picks the candidate counts; `--rounds 3` times
+every run three times, round-robin over the runs of an N, and reports the median (single timings of these kernels
+have varied by up to 2x between runs of the same launch):
 
     . scripts/device_env.sh && python3 -u benchmarks/attnres.py --variants --rounds 3 --tiled-configs 1:1024:4 \
-        --resident 16:1:1:1,16:0:1:2 --cooperative 1:1024:16,2:1024:16,4:2048:4
+        --resident 16:1:1:1,16:0:1:2 --cooperative 0:1024:16,2:1024:16,4:2048:4 --ns 3,6,7,9
 
 A tiny CPU smoke run of the same code path (interpreter, one timed call per config, timings meaningless):
 
@@ -105,15 +106,16 @@ _SETTINGS = ("TILED_PASS2", "TILED_PROGRAMS_PER_SM", "RESIDENT_PREFETCH", "RESID
 
 
 def compare_variants(T, d, device="cuda", max_configs=20, pass2=("split",), per_sm=(None,), tiled=None, resident=(),
-                     coop=(), rounds=1):
+                     coop=(), rounds=1, ns=(3, 6, 9)):
     """"row" (default launch) vs "tiled" over `tiled_configs` or the given `tiled` (block_t, block_d, num_warps)
     list (and each `TILED_PASS2` form in `pass2`) vs "resident" over `resident` (num_warps, prefetch,
-    programs per SM, stages) where a token's tile fits vs "cooperative" over `coop` (num_warps, block_d, programs
-    per SM), stacked [N, T, d] bf16, N = 3, 6, 9; each timed `rounds` times, round-robin over the runs of an N."""
+    programs per SM, stages) where a token's tile fits vs "cooperative" over `coop` (num_warps or None for the
+    per-kernel defaults, block_d, programs per SM), stacked [N, T, d] bf16, each N of `ns`; each timed
+    `rounds` times, round-robin over the runs of an N."""
     bench = _timer(device)
     before = {k: getattr(triton_attnres, k) for k in _SETTINGS}
     try:
-        _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident, coop, rounds, bench)
+        _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident, coop, rounds, bench, ns)
     finally:
         for k, v in before.items():
             setattr(triton_attnres, k, v)
@@ -132,10 +134,10 @@ def _apply_settings(variant, form):
         triton_attnres.COOP_PROGRAMS_PER_SM = form[1]
 
 
-def _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident, coop, rounds, bench):
+def _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident, coop, rounds, bench, ns):
     rows = []
     best = {}
-    for N in (3, 6, 9):
+    for N in ns:
         g = torch.Generator(device=device).manual_seed(N)
         # Candidates of growing scale, as the depth stream has.
         stacked = torch.stack([torch.randn(T, d, device=device, generator=g).bfloat16() * (i + 1) for i in range(N)])
@@ -220,7 +222,7 @@ def _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident,
               f"{err:.1e} | {gerr:.1e} | {f:.3f} | {fbw:.2f} | {100 * fbw / peak:.0f} % | {fb:.3f} | {fbbw:.2f} | "
               f"{100 * fbbw / peak:.0f} % |")
     print(flush=True)
-    for N in (3, 6, 9):
+    for N in ns:
         for key in ("fwd", "fwd+bwd"):
             if (N, key) in best:
                 ms, (bt, bd, warps), form, variant = best[N, key]
@@ -245,7 +247,9 @@ def main():
                     help="--variants: resident configs 'num_warps:prefetch(0/1):programs_per_sm:stages,...' (N where "
                          "the tile fits)")
     ap.add_argument("--cooperative", default="",
-                    help="--variants: cooperative configs 'num_warps:block_d:programs_per_sm,...'")
+                    help="--variants: cooperative configs 'num_warps:block_d:programs_per_sm,...' (num_warps 0: each "
+                         "kernel's default)")
+    ap.add_argument("--ns", default="3,6,9", help="--variants: candidate counts, comma-separated (1..16)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="--variants: time every run this many times, round-robin, and report the median")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
@@ -273,13 +277,16 @@ def main():
         try:
             tiled = None if args.tiled_configs is None else tuples(args.tiled_configs, 3)
             resident = [(w, bool(pf), k, st) for w, pf, k, st in tuples(args.resident, 4)]
-            coop = tuples(args.cooperative, 3)
+            coop = [(w or None, bd, k) for w, bd, k in tuples(args.cooperative, 3)]
+            ns = tuple(int(x) for x in args.ns.split(",") if x.strip())
         except ValueError:
-            ap.error("--tiled-configs takes block_t:block_d:num_warps, --resident num_warps:prefetch:per_sm:stages and "
-                     "--cooperative num_warps:block_d:per_sm, comma-separated")
+            ap.error("--tiled-configs takes block_t:block_d:num_warps, --resident num_warps:prefetch:per_sm:stages, "
+                     "--cooperative num_warps:block_d:per_sm and --ns ints, comma-separated")
+        if not ns or any(not 1 <= n <= 16 for n in ns):
+            ap.error(f"--ns takes candidate counts 1..16, got {args.ns!r}")
         if args.rounds < 1:
             ap.error("--rounds must be >= 1")
-        compare_variants(T, d, args.device, args.max_configs, forms, per_sm, tiled, resident, coop, args.rounds)
+        compare_variants(T, d, args.device, args.max_configs, forms, per_sm, tiled, resident, coop, args.rounds, ns)
         return
     if args.device != "cuda":
         ap.error("--device cpu is supported with --variants only")

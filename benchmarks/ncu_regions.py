@@ -4,14 +4,16 @@ Each mode warms its kernels up (compilation stays outside the region), then runs
 `cudaProfilerStart` / `cudaProfilerStop`, so `ncu --profile-from-start off` profiles exactly that call's kernels:
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy \
-        --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --csv --page details \
+        --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+        --section ComputeWorkloadAnalysis --csv --page details \
         python benchmarks/ncu_regions.py kda > ncu_kda.csv
     python benchmarks/ncu_regions.py --summarize ncu_kda.csv      # the markdown table of BENCHMARKS.md
 
 Modes: `kda` (chunked forward + backward, T = 8K, H = 96, K = V = 128, bf16, all in-kernel flags), `mla` (absorbed
-paged decode, B = 64, L = 32K, H = 96), `attnres` (forward, T = 8K, d = 7168, N = 3 then 6). The MoE experts are not
-here: ncu saves and restores every buffer a kernel may touch for each replay pass, which at the real expert count is
-59 GB of bf16 weights per pass (the eleventh session's attempt ran out of its time limit).
+paged decode, B = 64, L = 32K, H = 96), `attnres` (forward, T = 8K, d = 7168, N = 3, 6, 9), `moe` (bf16 experts at
+K3's widths with 8K tokens' load an expert, 146 rows, but 64 experts instead of 896: ncu saves and restores every
+buffer a kernel may touch for each replay pass, which at the real expert count is 59 GB of bf16 weights a pass, and
+the eleventh session's attempt ran out of its time limit).
 `--clock-control none` leaves the GPU's clocks alone (the device notes ask for it).
 """
 
@@ -25,7 +27,8 @@ import sys
 import torch
 
 SUMMARY = (("Duration", "ms", 1e-6), ("Registers Per Thread", "registers", 1), ("Theoretical Occupancy", "occupancy %", 1),
-           ("DRAM Throughput", "DRAM % of peak", 1), ("Issue Slots Busy", "issue %", 1),
+           ("DRAM Throughput", "DRAM % of peak", 1), ("Compute (SM) Throughput", "SM % of peak", 1),
+           ("Issue Slots Busy", "issue %", 1), ("L2 Hit Rate", "L2 hit %", 1),
            ("Local Memory Spilling Requests", "spill requests", 1))
 
 
@@ -61,10 +64,22 @@ def mla():
 def attnres():
     from k3_kernels.attnres.triton_attnres import attn_res_triton
 
-    for n in (3, 6):
+    for n in (3, 6, 9):
         v = torch.randn(n, 8192, 7168, device="cuda", dtype=torch.bfloat16)
         qw, nw = torch.randn(7168, device="cuda") * 0.05, torch.ones(7168, device="cuda")
         _region(lambda: attn_res_triton(v, qw, nw))
+
+
+def moe():
+    import moe as M
+
+    from k3_kernels.moe.triton_moe import moe_experts_triton
+
+    E, k, D, I = 64, 16, 3584, 3072
+    gate_up = torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) * D**-0.5
+    down = torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) * I**-0.5
+    x, top_idx, top_w, _ = M._tokens(8192 * E // 896, E, k, D, "cuda")  # 146 rows an expert, as 8K tokens at 896
+    _region(lambda: moe_experts_triton(x, top_idx, top_w, gate_up=gate_up, down=down))
 
 
 def summarize(path: str):
@@ -78,7 +93,7 @@ def summarize(path: str):
     print("| kernel | " + " | ".join(label for _, label, _ in SUMMARY) + " |")
     print("|---" * (len(SUMMARY) + 1) + "|")
     for (_, name), metrics in sorted(kernels.items()):
-        if name.startswith("void "):
+        if name.startswith("void ") or "::" in name:  # torch's own kernels
             continue
         cells = []
         for metric, _, factor in SUMMARY:
@@ -89,7 +104,7 @@ def summarize(path: str):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", nargs="?", choices=["kda", "mla", "attnres"])
+    ap.add_argument("mode", nargs="?", choices=["kda", "mla", "attnres", "moe"])
     ap.add_argument("--summarize", metavar="CSV", help="print the table of an ncu --csv --page details file")
     args = ap.parse_args()
     if args.summarize:
@@ -97,7 +112,7 @@ def main():
     if args.mode is None:
         ap.error("give a mode or --summarize")
     sys.path.insert(0, str(pathlib.Path(__file__).parent))  # the sibling benchmark scripts' input builders
-    {"kda": kda, "mla": mla, "attnres": attnres}[args.mode]()
+    {"kda": kda, "mla": mla, "attnres": attnres, "moe": moe}[args.mode]()
 
 
 if __name__ == "__main__":
