@@ -33,6 +33,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 TARGET = GPUTarget("cuda", 90, 32)  # H200: compute capability 9.0, warps of 32
 H200_SHARED_BYTES = 232448  # opt-in shared memory a block may use on sm_90 (227 KB)
@@ -46,6 +47,8 @@ _current_case = ["?"]
 
 
 def _arg_type(name, value):
+    if isinstance(value, TensorDescriptor):  # the launcher's name for a host-side TMA descriptor argument
+        return f"tensordesc<{_DTYPES[value.base.dtype]}{list(value.block_shape)}>"
     if isinstance(value, torch.Tensor):
         return "*" + _DTYPES[value.dtype]
     if isinstance(value, bool):
@@ -70,7 +73,7 @@ def _compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
         signature[p.name] = _arg_type(p.name, value)
         # The launcher's specialisation: 16-aligned pointers and multiples of 16 are known to be so (vector loads).
         aligned = value.data_ptr() % 16 == 0 if isinstance(value, torch.Tensor) else (
-            not isinstance(value, (bool, float)) and value % 16 == 0)
+            not isinstance(value, (bool, float, TensorDescriptor)) and value % 16 == 0)
         if aligned and not (p.do_not_specialize or p.do_not_specialize_on_alignment):
             attrs[(i,)] = [["tt.divisibility", 16]]
     key = (self.fn.__module__.rsplit(".", 1)[-1] + "." + self.__name__,
@@ -125,14 +128,18 @@ def _moe_cases():
           "down": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}}, both),
         ({"block_m": 64, "reduce": "sorted", "down": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 4}}, both),
         ({"block_m": 16, "reduce": "sorted", "gate_up": {"BLOCK_K": 256}, "down": {"BLOCK_K": 256}}, ("mxfp4",)),
+        ({"gate_up": {"tma": True}, "down": {"tma": True}}, ("bf16",)),
+        ({"block_m": 16, "gate_up": {"tma": True}, "down": {"tma": True}}, ("bf16",)),
     ]
     spec = importlib.util.spec_from_file_location("_moe_bench", Path(__file__).with_name("moe.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    sweep = [(c, both) for regime in bench.SWEEP_CONFIGS.values() for c in regime if c is not None]
+    sweep = [(c, ("bf16",) if bench._dense_only(c) else both) for regime in bench.SWEEP_CONFIGS.values()
+             for c in regime if c is not None]
     for i, (config, formats) in enumerate(extra + sweep):
         for fmt in formats:
-            for order in ("expert", "tile"):  # the sweep runs each config in both program orders
+            # the sweep runs each config in both program orders (row groups: "expert" only)
+            for order in ("expert",) if bench._grouped(config) else ("expert", "tile"):
                 cfg = {**config, "order": order}
                 yield f"moe {fmt} K3 config {i} {cfg}", lambda: run(fmt, 3584, 3072, 64, config=cfg)
 

@@ -78,11 +78,27 @@ def _bench(fn, dev):
     return (time.perf_counter() - t0) * 1e3
 
 
-def _cfg(bm, bn, bk, warps, stages, reduce="atomic", down=None):
-    """One sweep entry: the same tile for both kernels unless `down` (BLOCK_N, BLOCK_K, warps, stages) is given."""
+def _cfg(bm, bn, bk, warps, stages, reduce="atomic", down=None, row_tiles=(1, 1), tma=False):
+    """One sweep entry: the same tile for both kernels unless `down` (BLOCK_N, BLOCK_K, warps, stages) is given;
+    `row_tiles` (gate_up, down); `tma` for both."""
     gu = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
     dn = gu if down is None else dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), down))
-    return {"block_m": bm, "reduce": reduce, "gate_up": dict(gu), "down": dict(dn)}
+    return {"block_m": bm, "reduce": reduce, "gate_up": dict(gu, row_tiles=row_tiles[0], tma=tma),
+            "down": dict(dn, row_tiles=row_tiles[1], tma=tma)}
+
+
+def _kernel_option(cfg, key, default):
+    return [(cfg or {}).get(kern, {}).get(key, default) for kern in ("gate_up", "down")]
+
+
+def _grouped(cfg) -> bool:
+    """Row groups: bf16 weights in "expert" order only (the kernel refuses the rest)."""
+    return max(_kernel_option(cfg, "row_tiles", 1)) > 1
+
+
+def _dense_only(cfg) -> bool:
+    """Row groups and TMA loads: bf16 weights only."""
+    return _grouped(cfg) or any(_kernel_option(cfg, "tma", False))
 
 
 # Curated per regime, not the full product. `_gate_up_situ` keeps two [BLOCK_M, BLOCK_N] fp32 accumulators (gate and
@@ -124,6 +140,23 @@ SWEEP_CONFIGS = {
         _cfg(128, 32, 64, 4, 4, down=(64, 64, 4, 4)),
         _cfg(128, 64, 64, 8, 4, reduce="sorted", down=(128, 64, 8, 4)),
         _cfg(64, 128, 64, 8, 3, reduce="sorted"),
+        # Row groups (bf16 only, "expert" order): each weight tile is loaded once for up to row_tiles row tiles
+        # of its expert (K3 at 8K tokens: ~146 rows an expert, three 64-row tiles). Fewer accumulators fit: gate_up
+        # 64-wide (two 64 x 64 a row tile), down 128-wide; 183-255 registers a thread at 8 warps, no spills.
+        _cfg(64, 64, 64, 8, 4, down=(128, 64, 8, 4), row_tiles=(3, 3)),
+        _cfg(64, 64, 64, 8, 4, down=(128, 64, 8, 4), row_tiles=(3, 1)),
+        _cfg(64, 64, 64, 8, 4, down=(128, 64, 8, 4), row_tiles=(3, 3), reduce="sorted"),
+        _cfg(64, 64, 64, 8, 4, down=(128, 64, 8, 4), row_tiles=(3, 1), reduce="sorted"),
+        _cfg(64, 128, 64, 8, 3, down=(256, 64, 8, 3), row_tiles=(2, 2)),
+        _cfg(64, 64, 64, 8, 3, down=(128, 64, 8, 3), row_tiles=(4, 4)),
+        # The weights (and down's h) through Hopper TMA descriptors: one bulk copy a tile instead of per-thread
+        # addresses (x, gathered by token, keeps its pointer loads).
+        _cfg(64, 128, 64, 8, 4, tma=True),
+        _cfg(64, 128, 64, 8, 3, tma=True),
+        _cfg(64, 128, 64, 8, 4, reduce="sorted", tma=True),
+        _cfg(64, 64, 64, 8, 4, down=(128, 64, 8, 4), row_tiles=(3, 1), tma=True),
+        _cfg(64, 64, 64, 8, 4, down=(128, 64, 8, 4), row_tiles=(3, 3), reduce="sorted", tma=True),
+        _cfg(128, 128, 64, 8, 3, tma=True),
     ],
 }
 
@@ -132,7 +165,10 @@ def _cfg_name(cfg, regime, fmt, order=None):
     if cfg is None:
         return f"default ({_cfg_name(_DEFAULT_CONFIGS[regime, fmt], regime, fmt, order)})"
     g, d = cfg["gate_up"], cfg["down"]
-    tile = lambda c: f"{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']}"  # noqa: E731
+    def tile(c):
+        rows = f" r{c['row_tiles']}" if c.get("row_tiles", 1) > 1 else ""
+        return f"{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']}{rows}{' tma' if c.get('tma') else ''}"
+
     order = order or cfg.get("order") or _DEFAULT_CONFIGS[regime, fmt]["order"]
     return f"m{cfg['block_m']} gate_up {tile(g)} / down {tile(d)} {cfg['reduce']} {order}"
 
@@ -143,8 +179,8 @@ def sweep(args, E, k, D, I, dev, fp4, gate_up, down):
     gpu = torch.cuda.get_device_name() if dev == "cuda" else "CPU smoke run (timings meaningless)"
     print(f"\nMoE experts config sweep, E={E}, top-{k}, D={D}, I={I}, {gpu}, torch {torch.__version__}, "
           f"triton {triton.__version__}", flush=True)
-    print("config: m<block_m>, per kernel <BLOCK_N>x<BLOCK_K> w<num_warps> s<num_stages>, then the reduce and the "
-          "program order; rel err: "
+    print("config: m<block_m>, per kernel <BLOCK_N>x<BLOCK_K> w<num_warps> s<num_stages>, r<row_tiles> if > 1, "
+          "tma if on, then the reduce and the program order; rel err: "
           "max abs difference to the default config's output over its max\n", flush=True)
     print("| tokens | format | config | ms | weight GB/s | TFLOP/s | vs grouped_mm | rel err vs default | best |",
           flush=True)
@@ -154,11 +190,15 @@ def sweep(args, E, k, D, I, dev, fp4, gate_up, down):
         flops = 2 * N * k * (3 * D * I)
         peer = _bench(lambda: grouped_mm_experts(x, top_idx, top_w, gate_up, down), dev)
         for fmt, weights in (("MXFP4", fp4), ("bf16", dict(gate_up=gate_up, down=down))):
+            if fmt.lower() not in args.formats.lower().split(","):
+                continue
             regime = "decode" if _is_decode(N * k, E, fmt == "MXFP4") else "prefill"  # the kernel's own rule
             wbytes = touched * 3 * D * I * (0.5 + 1 / 32 if fmt == "MXFP4" else 2)
             ref = moe_experts_triton(x, top_idx, top_w, **weights).float()
             results = []
             for cfg, order in [(c, o) for c in SWEEP_CONFIGS[regime] for o in args.orders.split(",")]:
+                if (_dense_only(cfg) and fmt == "MXFP4") or (_grouped(cfg) and order != "expert"):
+                    continue
                 name = _cfg_name(cfg, regime, "mxfp4" if fmt == "MXFP4" else "dense", order)
                 cfg = {**(cfg or {}), "order": order}
                 try:
@@ -192,6 +232,7 @@ def main():
     ap.add_argument("--loop-max-tokens", type=int, default=8192, help="skip the Python loop above this many tokens")
     ap.add_argument("--sweep", action="store_true", help="time our kernel over SWEEP_CONFIGS instead of the paths")
     ap.add_argument("--orders", default="expert,tile", help="program orders the sweep runs each config in")
+    ap.add_argument("--formats", default="mxfp4,bf16", help="weight formats the sweep times")
     args = ap.parse_args()
     # top-k capped at the expert count, so a smoke run with few experts keeps the default --top-k
     E, k, (D, I), dev = args.experts, min(args.top_k, args.experts), args.dims, args.device
@@ -207,6 +248,9 @@ def main():
         gate_up[e] = dequantize_mxfp4(w13p[e], w13s[e])
         down[e] = dequantize_mxfp4(w2p[e], w2s[e])
     fp4 = dict(w13_packed=w13p, w13_scale=w13s, w2_packed=w2p, w2_scale=w2s)
+    if args.sweep and "mxfp4" not in args.formats.lower().split(","):
+        del fp4, w13p, w13s, w2p, w2s  # 16 GB: room for prefill's activations next to 59 GB of bf16 on an 80 GB card
+        fp4 = None
     if args.sweep:
         return sweep(args, E, k, D, I, dev, fp4, gate_up, down)
     rows = []

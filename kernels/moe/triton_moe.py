@@ -84,21 +84,42 @@ def _load_w(W, e, n, k0, N_ROWS, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _w_tile(W, e, n0, k0, N_ROWS, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_DESC: tl.constexpr,
+            DOT_F32: tl.constexpr):
+    """Dense weight tile of expert e, rows n0.., inputs k0.., transposed for the product: `[BLOCK_K, BLOCK_N]`.
+
+    W_DESC: W is a tensor descriptor over the `[E * N_ROWS, K]` weights, read by the Hopper TMA unit (one bulk copy
+    a tile, no per-thread addresses; zeros past the edges). Rows past N_ROWS come from the next expert's weights
+    (or the up half's): their outputs are never stored."""
+    if W_DESC:
+        w = W.load([(e * N_ROWS + n0).to(tl.int32), k0])
+    else:
+        w = _load_w(W, e, n0 + tl.arange(0, BLOCK_N), k0, N_ROWS, K, BLOCK_K)
+    return tl.trans(_mm_in(w, DOT_F32))
+
+
+@triton.jit
 def _tanh(x):
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0  # saturates cleanly to +-1 for large |x|
 
 
 @triton.jit
-def _program_tile(BLOCK_EXPERT, RUN_END, RUN_LEN, tiles, n_blocks, BLOCK_M: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
-    """(row tile, column block) of this program in the 1D grid of `tiles * n_blocks` programs (config "order").
+def _program_tile(
+    BLOCK_EXPERT, RUN_END, RUN_LEN, tiles, n_blocks, BLOCK_M: tl.constexpr, EXPERT_MAJOR: tl.constexpr,
+    ROW_TILES: tl.constexpr,
+):
+    """(first row tile, column block, row tiles covered) of this program in the 1D grid of `tiles * n_blocks`.
 
-    "tile" (EXPERT_MAJOR False): the row tile is the fastest axis, so the programs running at once hold one column
-    block of many experts. "expert": expert e owns the programs [first * n_blocks, (first + count) * n_blocks),
-    [first, first + count) being its row tiles, walked as all its column blocks, each over all its row tiles: a
-    weight tile is read by its `count` row tiles back to back (L2 serves all but the first), and the expert's rows of
-    x (gate_up) or h (down), a few hundred KB, stay in L2 across its column blocks, where the "tile" order re-reads
-    all of x / h from HBM once per column block. `pid // n_blocks` is always one of the program's expert's tiles,
-    which finds the expert; spare tiles (expert -1) are a run of one.
+    "tile" order (EXPERT_MAJOR False): the row tile is the fastest axis, so the programs running at once hold one
+    column block of many experts. "expert": expert e owns the programs [first * n_blocks, (first + count) *
+    n_blocks), [first, first + count) being its row tiles, cut in groups of ROW_TILES consecutive tiles, walked as all
+    its column blocks, each over all its groups: a weight tile is read by its groups back to back (L2 serves all but
+    the first), and the expert's rows of x (gate_up) or h (down), a few hundred KB, stay in L2 across its column
+    blocks, where the "tile" order re-reads all of x / h from HBM once per column block. A program multiplies each
+    weight tile it loads by its group's row tiles, so the weights cross from L2 to the SMs once per group rather
+    than once per row tile. With groups the expert's last `(count - groups) * n_blocks` programs have no work
+    (covered 0). `pid // n_blocks` is always one of the program's expert's tiles, which finds the expert; spare
+    tiles (expert -1) are a run of one.
     """
     pid = tl.program_id(0)
     # One return: triton 3.6 does not compile an early return inside a constexpr branch here.
@@ -109,75 +130,58 @@ def _program_tile(BLOCK_EXPERT, RUN_END, RUN_LEN, tiles, n_blocks, BLOCK_M: tl.c
         run = tl.load(RUN_LEN + ec)  # padded rows of the expert's run
         first = tl.where(e >= 0, (tl.load(RUN_END + ec) - run) // BLOCK_M, t)
         count = tl.where(e >= 0, run // BLOCK_M, 1)
+        groups = tl.cdiv(count, ROW_TILES)
         local = pid - first * n_blocks
-        pid_m, pid_n = first + local % count, local // count
+        group, pid_n = local % groups, local // groups
+        pid_m = first + group * ROW_TILES
+        covered = tl.where(local < groups * n_blocks, tl.minimum(count - group * ROW_TILES, ROW_TILES), 0)
     else:
-        pid_m, pid_n = pid % tiles, pid // tiles
-    return pid_m, pid_n
+        pid_m, pid_n, covered = pid % tiles, pid // tiles, 1
+    return pid_m, pid_n, covered
 
 
 @triton.jit
-def _row_tile(SORTED, BLOCK_EXPERT, pid_m, num_assign, top_k, BLOCK_M: tl.constexpr):
-    """This program's expert, its BLOCK_M padded rows, their assignment ids, which are real, and their tokens."""
-    e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    assign = tl.load(SORTED + rows)
+def _row_tile(SORTED, pid_m, r, covered, num_assign, top_k, BLOCK_M: tl.constexpr):
+    """Row tile r of the program's group: its BLOCK_M padded rows, their assignment ids, which are real (none past
+    the `covered` tiles, which belong to the next expert), and their tokens."""
+    rows = (pid_m + r) * BLOCK_M + tl.arange(0, BLOCK_M)
+    live = rows < (pid_m + covered) * BLOCK_M  # all or none of the tile's rows
+    assign = tl.load(SORTED + rows, mask=live, other=num_assign)
     valid = assign < num_assign
-    return e, rows, assign, valid, (assign // top_k).to(tl.int64)
+    return rows, live, assign, valid, (assign // top_k).to(tl.int64)
 
 
 @triton.jit
-def _gate_up_situ(
-    X, W, S, H, SORTED, BLOCK_EXPERT, RUN_END, RUN_LEN, tiles, num_assign, top_k, D, I, beta, linear_beta,
-    FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-    EXPERT_MAJOR: tl.constexpr,
-):
-    pid_m, pid_n = _program_tile(BLOCK_EXPERT, RUN_END, RUN_LEN, tiles, tl.cdiv(I, BLOCK_N), BLOCK_M, EXPERT_MAJOR)
-    e, rows, assign, valid, token = _row_tile(SORTED, BLOCK_EXPERT, pid_m, num_assign, top_k, BLOCK_M)
-    if e < 0:  # a tile past the real ones: `_align` bounds the grid without a host sync
-        return
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        kx = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + token[:, None] * D + kx[None, :], mask=valid[:, None] & (kx[None, :] < D), other=0.0)
-        if FP4:
-            acc_g = _fp4_dot(x, W, S, e, n, k0, 2 * I, D, acc_g, BLOCK_K)  # gate rows [0, I)
-            acc_u = _fp4_dot(x, W, S, e, n + I, k0, 2 * I, D, acc_u, BLOCK_K)  # up rows [I, 2I)
-        else:
-            x = _mm_in(x, DOT_F32)
-            wg = _load_w(W, e, n, k0, 2 * I, D, BLOCK_K)  # gate rows [0, I)
-            wu = _load_w(W, e, n + I, k0, 2 * I, D, BLOCK_K)  # up rows [I, 2I)
-            acc_g = tl.dot(x, tl.trans(_mm_in(wg, DOT_F32)), acc_g)
-            acc_u = tl.dot(x, tl.trans(_mm_in(wu, DOT_F32)), acc_u)
+def _gate_up_dots(X, token, valid, kx, D, wg_t, wu_t, acc_g, acc_u, DOT_F32: tl.constexpr):
+    """One K step of one row tile: its x rows `[BLOCK_M, BLOCK_K]` times the loaded gate and up tiles."""
+    x = tl.load(X + token[:, None] * D + kx[None, :], mask=valid[:, None] & (kx[None, :] < D), other=0.0)
+    x = _mm_in(x, DOT_F32)
+    return tl.dot(x, wg_t, acc_g), tl.dot(x, wu_t, acc_u)
+
+
+@triton.jit
+def _situ_store(H, rows, live, acc_g, acc_u, n, I, beta, linear_beta):
     h = beta * _tanh(acc_g / beta) * tl.sigmoid(acc_g) * (linear_beta * _tanh(acc_u / linear_beta))
     rows64 = rows.to(tl.int64)
-    tl.store(H + rows64[:, None] * I + n[None, :], h.to(H.dtype.element_ty), mask=n[None, :] < I)
+    tl.store(H + rows64[:, None] * I + n[None, :], h.to(H.dtype.element_ty), mask=live[:, None] & (n[None, :] < I))
 
 
 @triton.jit
-def _down(
-    Hs, W, S, OUT, SORTED, BLOCK_EXPERT, RUN_END, RUN_LEN, TOPW, tiles, num_assign, top_k, D, I,
-    FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-    REDUCE_SORTED: tl.constexpr, EXPERT_MAJOR: tl.constexpr,
-):
-    """OUT: `[N, D]` fp32 accumulated atomically, or with REDUCE_SORTED `[N * top_k, D]` fp32 written once a row."""
-    pid_m, pid_n = _program_tile(BLOCK_EXPERT, RUN_END, RUN_LEN, tiles, tl.cdiv(D, BLOCK_N), BLOCK_M, EXPERT_MAJOR)
-    e, rows, assign, valid, token = _row_tile(SORTED, BLOCK_EXPERT, pid_m, num_assign, top_k, BLOCK_M)
-    if e < 0:  # a tile past the real ones: `_align` bounds the grid without a host sync
-        return
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output (latent) channels
-    rows64 = rows.to(tl.int64)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
+def _down_dot(Hs, pid_m, r, live, k0, I, w_t, acc, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+              H_DESC: tl.constexpr, DOT_F32: tl.constexpr):
+    """One K step of row tile r: its h rows `[BLOCK_M, BLOCK_K]` times the loaded down tile. H_DESC: Hs is a TMA
+    descriptor over `[padded rows, I]` (a tile past the group's, unmasked there, is read but never stored)."""
+    if H_DESC:
+        h = Hs.load([((pid_m + r) * BLOCK_M).to(tl.int32), k0])
+    else:
+        rows = ((pid_m + r) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         kh = k0 + tl.arange(0, BLOCK_K)
-        h = tl.load(Hs + rows64[:, None] * I + kh[None, :], mask=kh[None, :] < I, other=0.0)
-        if FP4:
-            acc = _fp4_dot(h, W, S, e, n, k0, D, I, acc, BLOCK_K)
-        else:
-            w = _load_w(W, e, n, k0, D, I, BLOCK_K)
-            acc = tl.dot(_mm_in(h, DOT_F32), tl.trans(_mm_in(w, DOT_F32)), acc)
+        h = tl.load(Hs + rows[:, None] * I + kh[None, :], mask=live[:, None] & (kh[None, :] < I), other=0.0)
+    return tl.dot(_mm_in(h, DOT_F32), w_t, acc)
+
+
+@triton.jit
+def _down_store(OUT, TOPW, assign, valid, token, n, D, acc, REDUCE_SORTED: tl.constexpr):
     wt = tl.load(TOPW + assign, mask=valid, other=0.0).to(tl.float32)
     mask = valid[:, None] & (n[None, :] < D)
     if REDUCE_SORTED:
@@ -185,6 +189,111 @@ def _down(
         tl.store(OUT + assign.to(tl.int64)[:, None] * D + n[None, :], acc * wt[:, None], mask=mask)
     else:
         tl.atomic_add(OUT + token[:, None] * D + n[None, :], acc * wt[:, None], mask=mask)
+
+
+@triton.jit
+def _gate_up_situ(
+    X, W, S, H, SORTED, BLOCK_EXPERT, RUN_END, RUN_LEN, tiles, num_assign, top_k, D, I, beta, linear_beta,
+    FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+    EXPERT_MAJOR: tl.constexpr, ROW_TILES: tl.constexpr, W_DESC: tl.constexpr,
+):
+    """ROW_TILES (1-4, > 1 for dense weights only) row tiles share each loaded weight tile; one accumulator pair
+    each (Triton has no arrays of tensors, hence the unrolled tiles). W_DESC: dense weights through a TMA
+    descriptor (`_w_tile`)."""
+    pid_m, pid_n, covered = _program_tile(
+        BLOCK_EXPERT, RUN_END, RUN_LEN, tiles, tl.cdiv(I, BLOCK_N), BLOCK_M, EXPERT_MAJOR, ROW_TILES
+    )
+    e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
+    if (e < 0) | (covered == 0):  # a tile past the real ones (`_align` bounds the grid without a host sync)
+        return
+    rows0, live0, assign0, valid0, token0 = _row_tile(SORTED, pid_m, 0, covered, num_assign, top_k, BLOCK_M)
+    if ROW_TILES > 1:
+        rows1, live1, assign1, valid1, token1 = _row_tile(SORTED, pid_m, 1, covered, num_assign, top_k, BLOCK_M)
+        acc_g1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if ROW_TILES > 2:
+        rows2, live2, assign2, valid2, token2 = _row_tile(SORTED, pid_m, 2, covered, num_assign, top_k, BLOCK_M)
+        acc_g2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if ROW_TILES > 3:
+        rows3, live3, assign3, valid3, token3 = _row_tile(SORTED, pid_m, 3, covered, num_assign, top_k, BLOCK_M)
+        acc_g3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc_g0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        kx = k0 + tl.arange(0, BLOCK_K)
+        if FP4:
+            x = tl.load(X + token0[:, None] * D + kx[None, :], mask=valid0[:, None] & (kx[None, :] < D), other=0.0)
+            acc_g0 = _fp4_dot(x, W, S, e, n, k0, 2 * I, D, acc_g0, BLOCK_K)  # gate rows [0, I)
+            acc_u0 = _fp4_dot(x, W, S, e, n + I, k0, 2 * I, D, acc_u0, BLOCK_K)  # up rows [I, 2I)
+        else:
+            wg_t = _w_tile(W, e, pid_n * BLOCK_N, k0, 2 * I, D, BLOCK_N, BLOCK_K, W_DESC, DOT_F32)  # gate [0, I)
+            wu_t = _w_tile(W, e, pid_n * BLOCK_N + I, k0, 2 * I, D, BLOCK_N, BLOCK_K, W_DESC, DOT_F32)  # up [I, 2I)
+            acc_g0, acc_u0 = _gate_up_dots(X, token0, valid0, kx, D, wg_t, wu_t, acc_g0, acc_u0, DOT_F32)
+            if ROW_TILES > 1:
+                acc_g1, acc_u1 = _gate_up_dots(X, token1, valid1, kx, D, wg_t, wu_t, acc_g1, acc_u1, DOT_F32)
+            if ROW_TILES > 2:
+                acc_g2, acc_u2 = _gate_up_dots(X, token2, valid2, kx, D, wg_t, wu_t, acc_g2, acc_u2, DOT_F32)
+            if ROW_TILES > 3:
+                acc_g3, acc_u3 = _gate_up_dots(X, token3, valid3, kx, D, wg_t, wu_t, acc_g3, acc_u3, DOT_F32)
+    _situ_store(H, rows0, live0, acc_g0, acc_u0, n, I, beta, linear_beta)
+    if ROW_TILES > 1:
+        _situ_store(H, rows1, live1, acc_g1, acc_u1, n, I, beta, linear_beta)
+    if ROW_TILES > 2:
+        _situ_store(H, rows2, live2, acc_g2, acc_u2, n, I, beta, linear_beta)
+    if ROW_TILES > 3:
+        _situ_store(H, rows3, live3, acc_g3, acc_u3, n, I, beta, linear_beta)
+
+
+@triton.jit
+def _down(
+    Hs, W, S, OUT, SORTED, BLOCK_EXPERT, RUN_END, RUN_LEN, TOPW, tiles, num_assign, top_k, D, I,
+    FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+    REDUCE_SORTED: tl.constexpr, EXPERT_MAJOR: tl.constexpr, ROW_TILES: tl.constexpr, W_DESC: tl.constexpr,
+):
+    """OUT: `[N, D]` fp32 accumulated atomically, or with REDUCE_SORTED `[N * top_k, D]` fp32 written once a row.
+    ROW_TILES as in `_gate_up_situ`; W_DESC: the weights and Hs both through TMA descriptors."""
+    pid_m, pid_n, covered = _program_tile(
+        BLOCK_EXPERT, RUN_END, RUN_LEN, tiles, tl.cdiv(D, BLOCK_N), BLOCK_M, EXPERT_MAJOR, ROW_TILES
+    )
+    e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
+    if (e < 0) | (covered == 0):  # a tile past the real ones (`_align` bounds the grid without a host sync)
+        return
+    rows0, live0, assign0, valid0, token0 = _row_tile(SORTED, pid_m, 0, covered, num_assign, top_k, BLOCK_M)
+    if ROW_TILES > 1:
+        rows1, live1, assign1, valid1, token1 = _row_tile(SORTED, pid_m, 1, covered, num_assign, top_k, BLOCK_M)
+        acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if ROW_TILES > 2:
+        rows2, live2, assign2, valid2, token2 = _row_tile(SORTED, pid_m, 2, covered, num_assign, top_k, BLOCK_M)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if ROW_TILES > 3:
+        rows3, live3, assign3, valid3, token3 = _row_tile(SORTED, pid_m, 3, covered, num_assign, top_k, BLOCK_M)
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output (latent) channels
+    acc0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        if FP4:
+            kh = k0 + tl.arange(0, BLOCK_K)
+            h = tl.load(Hs + rows0.to(tl.int64)[:, None] * I + kh[None, :], mask=kh[None, :] < I, other=0.0)
+            acc0 = _fp4_dot(h, W, S, e, n, k0, D, I, acc0, BLOCK_K)
+        else:
+            w_t = _w_tile(W, e, pid_n * BLOCK_N, k0, D, I, BLOCK_N, BLOCK_K, W_DESC, DOT_F32)
+            acc0 = _down_dot(Hs, pid_m, 0, live0, k0, I, w_t, acc0, BLOCK_M, BLOCK_K, W_DESC, DOT_F32)
+            if ROW_TILES > 1:
+                acc1 = _down_dot(Hs, pid_m, 1, live1, k0, I, w_t, acc1, BLOCK_M, BLOCK_K, W_DESC, DOT_F32)
+            if ROW_TILES > 2:
+                acc2 = _down_dot(Hs, pid_m, 2, live2, k0, I, w_t, acc2, BLOCK_M, BLOCK_K, W_DESC, DOT_F32)
+            if ROW_TILES > 3:
+                acc3 = _down_dot(Hs, pid_m, 3, live3, k0, I, w_t, acc3, BLOCK_M, BLOCK_K, W_DESC, DOT_F32)
+    _down_store(OUT, TOPW, assign0, valid0, token0, n, D, acc0, REDUCE_SORTED)
+    if ROW_TILES > 1:
+        _down_store(OUT, TOPW, assign1, valid1, token1, n, D, acc1, REDUCE_SORTED)
+    if ROW_TILES > 2:
+        _down_store(OUT, TOPW, assign2, valid2, token2, n, D, acc2, REDUCE_SORTED)
+    if ROW_TILES > 3:
+        _down_store(OUT, TOPW, assign3, valid3, token3, n, D, acc3, REDUCE_SORTED)
 
 
 def _align(top_idx: torch.Tensor, num_experts: int, block_m: int):
@@ -225,7 +334,7 @@ def _align(top_idx: torch.Tensor, num_experts: int, block_m: int):
 # BLOCK_N is clamped to the output width's next power of two (tiny models); the MXFP4 BLOCK_K default falls back to
 # 32 where 64 does not divide the K width.
 def _tiles(block_m, bn, bk, warps, stages, order, down_bn=None):
-    kern = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+    kern = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages, "row_tiles": 1, "tma": False}
     down = dict(kern, BLOCK_N=down_bn or bn)
     return {"block_m": block_m, "reduce": "atomic", "order": order, "gate_up": kern, "down": down}
 
@@ -242,7 +351,7 @@ _DEFAULT_CONFIGS = {
 # weight; its decode tiles unpack every weight once per 16 rows, so they lose further up).
 _DECODE_MAX_ROWS = {"dense": 12, "mxfp4": 24}
 _CONFIG_KEYS = ("block_m", "reduce", "order", "gate_up", "down")
-_KERNEL_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+_KERNEL_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "row_tiles", "tma")
 _REDUCES = ("atomic", "sorted")
 _ORDERS = ("expert", "tile")
 
@@ -306,8 +415,33 @@ def _resolve_config(config, block_m, *, decode: bool, fp4: bool, D: int, I: int)
             raise ValueError(f"config[{kern!r}]['num_warps'] must be 1, 2, 4 or 8, got {nw!r}")
         if not _is_int(kc["num_stages"]) or kc["num_stages"] < 1:
             raise ValueError(f"config[{kern!r}]['num_stages'] must be an int >= 1, got {kc['num_stages']!r}")
+        rt = kc["row_tiles"]
+        if not _is_int(rt) or not 1 <= rt <= 4:
+            raise ValueError(f"config[{kern!r}]['row_tiles'] must be an int in 1..4, got {rt!r}")
+        if rt > 1 and (fp4 or out["order"] != "expert"):
+            # tl.dot_scaled unpacks its weight tile inside each product, so MXFP4 gains nothing from sharing it;
+            # the "tile" order has no expert runs to group.
+            raise ValueError(f"config[{kern!r}]['row_tiles'] = {rt} needs bf16 / fp16 weights and order 'expert'")
+        if not isinstance(kc["tma"], bool):
+            raise ValueError(f"config[{kern!r}]['tma'] must be True or False, got {kc['tma']!r}")
+        if kc["tma"] and (fp4 or K % 8):
+            # A TMA row must be a multiple of 16 bytes; the packed MXFP4 path keeps its pointer loads.
+            raise ValueError(f"config[{kern!r}]['tma'] needs bf16 / fp16 weights and {k_name}={K} a multiple of 8")
         out[kern] = kc
     return out
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    """Host-side TMA descriptor of a 2D row-major tensor (Hopper's bulk tensor copies; the CPU interpreter emulates
+    them). TMA needs a 16-byte-aligned base and row stride, so an explicit request that cannot have them raises."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if t.is_cuda and torch.cuda.get_device_capability(t.device)[0] < 9:
+        raise ValueError(f"config 'tma': TMA needs compute capability 9.0 or newer, {torch.cuda.get_device_name(t.device)} "
+                         "has " + ".".join(map(str, torch.cuda.get_device_capability(t.device))))
+    if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+        raise ValueError(f"config 'tma': a {tuple(t.shape)} operand is not 16-byte aligned (base or row stride)")
+    return TensorDescriptor.from_tensor(t, block_shape=block)
 
 
 def moe_experts_triton(
@@ -322,7 +456,10 @@ def moe_experts_triton(
     raises), `reduce` ("atomic" or "sorted", see the module doc), `order` ("expert" or "tile": the programs' launch
     order, see `_program_tile`), and per kernel `gate_up` / `down` dicts with
     `BLOCK_N`, `BLOCK_K` (powers of two >= 16; with MXFP4 a multiple of 32 dividing the K width: D for gate_up,
-    I for down), `num_warps` (1, 2, 4, 8) and `num_stages` (>= 1). Unknown keys raise ValueError.
+    I for down), `num_warps` (1, 2, 4, 8), `num_stages` (>= 1), `row_tiles` (1-4: a program multiplies each weight
+    tile it loads by up to that many row tiles of its expert, see `_program_tile`; bf16 / fp16 weights, "expert"
+    order) and `tma` (bool: the dense weights, and down's h, through Hopper TMA descriptors; compute capability
+    >= 9.0, the K width a multiple of 8). Unknown keys raise ValueError.
     """
     fp4 = w13_packed is not None
     if fp4 == (gate_up is not None):
@@ -358,16 +495,23 @@ def moe_experts_triton(
     out = (torch.empty if reduce_sorted else torch.zeros)((N * k if reduce_sorted else N, D), device=x.device,
                                                           dtype=torch.float32)
     x = x.contiguous()
+    w1, w2, hs = W1, W2, hbuf
+    if c1["tma"]:
+        w1 = _descriptor(W1.view(E * two_i, D), [c1["BLOCK_N"], c1["BLOCK_K"]])
+    if c2["tma"]:
+        w2 = _descriptor(W2.view(E * D, I), [c2["BLOCK_N"], c2["BLOCK_K"]])
+        hs = _descriptor(hbuf, [bm, c2["BLOCK_K"]])
     _gate_up_situ[(tiles * triton.cdiv(I, c1["BLOCK_N"]),)](
-        x, W1, S1, hbuf, sorted_ids, block_expert, run_end, run_len, tiles, N * k, k, D, I, beta, linear_beta,
+        x, w1, S1, hbuf, sorted_ids, block_expert, run_end, run_len, tiles, N * k, k, D, I, beta, linear_beta,
         FP4=fp4, BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], DOT_F32=_DOT_F32, EXPERT_MAJOR=expert_major,
-        num_warps=c1["num_warps"], num_stages=c1["num_stages"],
+        ROW_TILES=c1["row_tiles"], W_DESC=c1["tma"], num_warps=c1["num_warps"], num_stages=c1["num_stages"],
     )
     _down[(tiles * triton.cdiv(D, c2["BLOCK_N"]),)](
-        hbuf, W2, S2, out, sorted_ids, block_expert, run_end, run_len, top_w.reshape(-1).float().contiguous(), tiles,
+        hs, w2, S2, out, sorted_ids, block_expert, run_end, run_len, top_w.reshape(-1).float().contiguous(), tiles,
         N * k, k, D, I,
         FP4=fp4, BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], DOT_F32=_DOT_F32,
-        REDUCE_SORTED=reduce_sorted, EXPERT_MAJOR=expert_major, num_warps=c2["num_warps"], num_stages=c2["num_stages"],
+        REDUCE_SORTED=reduce_sorted, EXPERT_MAJOR=expert_major, ROW_TILES=c2["row_tiles"],
+        W_DESC=c2["tma"], num_warps=c2["num_warps"], num_stages=c2["num_stages"],
     )
     if reduce_sorted:
         out = out.view(N, k, D).sum(1)  # assignment id = token * k + slot: a token's k rows are adjacent

@@ -108,6 +108,35 @@ def test_experts_with_many_row_tiles_and_column_blocks(fp4, order):
     assert rel_err(got.float(), want) <= 1e-2
 
 
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("reduce", ["atomic", "sorted"])
+@pytest.mark.parametrize("row_tiles", [1, 2, 3, 4])
+def test_row_groups(row_tiles, reduce, tma):
+    """Programs covering up to `row_tiles` row tiles of one expert, weights (and down's h) read through pointers or
+    TMA descriptors: experts of 5, 3, 2, 1 and 1 row tiles of 16, so groups are
+    full, partial (the program's later tiles belong to the next expert and must be neither read nor written) and
+    single, and each weight tile serves every row tile of its group. A row tile missed leaves zeros, one done twice
+    adds its atomic twice, a neighbour's rows multiplied by the wrong expert's weights: each fails the comparison."""
+    N, E, k, D, I = 80, 5, 2, 96, 64
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(N, D, generator=g).bfloat16().to(DEVICE)
+    scores = torch.rand(N, E, generator=g) + torch.tensor([0.8, 0.3, 0.0, -0.1, -0.3])  # uneven loads
+    top_w, top_idx = scores.topk(k, dim=-1)
+    top_idx, top_w = top_idx.to(DEVICE), (top_w / top_w.sum(-1, keepdim=True)).to(DEVICE)
+    tiles_per_expert = (torch.bincount(top_idx.reshape(-1).cpu(), minlength=E) + 15) // 16
+    assert tiles_per_expert.max() >= row_tiles + 1 and tiles_per_expert.min() >= 1
+    assert row_tiles == 1 or len(set((tiles_per_expert % row_tiles).tolist())) > 1  # partial groups, several sizes
+    gate_up = (torch.randn(E, 2 * I, D, generator=g) * D**-0.5).bfloat16().to(DEVICE)
+    down = (torch.randn(E, D, I, generator=g) * I**-0.5).bfloat16().to(DEVICE)
+    want = moe_experts(x.float(), top_idx, top_w, gate_up.float(), down.float())
+    # K tiles of 64 do not divide D = 96: the TMA loads' zero fill past the edge is exercised too.
+    config = {"block_m": 16, "reduce": reduce,
+              "gate_up": {"BLOCK_N": 32, "BLOCK_K": 64, "row_tiles": row_tiles, "tma": tma},
+              "down": {"BLOCK_N": 32, "BLOCK_K": 32, "row_tiles": row_tiles, "tma": tma}}
+    got = moe_experts_triton(x, top_idx, top_w, gate_up=gate_up, down=down, config=config)
+    assert rel_err(got.float(), want) <= 1e-2
+
+
 @pytest.mark.parametrize("N,E,k,D,I,block_m", [(1, 4, 2, 64, 32, 16), (37, 8, 3, 96, 64, 16), (70, 5, 2, 64, 96, 64)])
 def test_dense_matches_reference(N, E, k, D, I, block_m):
     g = torch.Generator().manual_seed(N + E)
@@ -200,6 +229,11 @@ def test_mxfp4_configs_match_reference(reduce):
     ({"down": {"BLOCK_K": 8}}, "BLOCK_K"),
     ({"down": {"num_warps": 3}}, "num_warps"),
     ({"gate_up": {"num_stages": 0}}, "num_stages"),
+    ({"gate_up": {"row_tiles": 0}}, "row_tiles"),
+    ({"down": {"row_tiles": 5}}, "row_tiles"),
+    ({"gate_up": {"row_tiles": 2.0}}, "row_tiles"),
+    ({"down": {"row_tiles": 2}, "order": "tile"}, "row_tiles.*order 'expert'"),
+    ({"gate_up": {"tma": 1}}, "'tma' must be True or False"),
 ])
 def test_bad_configs(config, match):
     x = torch.zeros(2, 64, dtype=torch.bfloat16, device=DEVICE)
@@ -223,6 +257,10 @@ def test_bad_configs_block_m_twice_and_mxfp4_k_width():
         moe_experts_triton(x, idx, w, **fp4, config={"gate_up": {"BLOCK_K": 128}})
     with pytest.raises(ValueError, match="K width I=32"):  # down reads the expert width; 16 is no multiple of 32
         moe_experts_triton(x, idx, w, **fp4, config={"down": {"BLOCK_K": 16}})
+    with pytest.raises(ValueError, match="row_tiles.*bf16"):  # MXFP4 unpacks per product: no row groups
+        moe_experts_triton(x, idx, w, **fp4, config={"gate_up": {"row_tiles": 2}})
+    with pytest.raises(ValueError, match="'tma' needs bf16"):
+        moe_experts_triton(x, idx, w, **fp4, config={"down": {"tma": True}})
 
 
 def test_mxfp4_unpack_hand_built():
