@@ -17,6 +17,12 @@ tokens (target >= 3x: the 3.76x fewer weight bytes, less the unpack work).
 `--sweep` times our kernel (MXFP4 and bf16) over a curated list of `config=` values per regime (`SWEEP_CONFIGS`)
 instead of the paths above: one markdown row per config, the best per (tokens, format) marked, each config checked
 once against the default config's output. Drop a winner into `_DEFAULT_CONFIGS` in kernels/moe/triton_moe.py.
+`--rounds 3` times the configs three times, interleaved, and reports each one's best round and spread (one round's
+figures moved by up to 7 % between identical configs); `--kernel-times` adds each kernel's profiler time;
+`--formats bf16` skips MXFP4 and frees its packed weights, so the sweep fits an 80 GB card:
+
+    . scripts/device_env.sh && python3 benchmarks/moe.py --sweep --tokens 8192 16384 2048 --formats bf16 \
+        --orders expert --rounds 3 --kernel-times
 """
 
 import argparse
@@ -173,6 +179,18 @@ def _cfg_name(cfg, regime, fmt, order=None):
     return f"m{cfg['block_m']} gate_up {tile(g)} / down {tile(d)} {cfg['reduce']} {order}"
 
 
+def _kernel_ms(fn, calls=3):
+    """Device ms a call of `_gate_up_situ` and `_down` (torch.profiler over `calls` calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total = {ev.key: ev.device_time_total for ev in prof.key_averages()}
+    return [total.get(name, 0.0) / calls / 1e3 for name in ("_gate_up_situ", "_down")]
+
+
 def sweep(args, E, k, D, I, dev, fp4, gate_up, down):
     """Time `SWEEP_CONFIGS` of the token count's regime for MXFP4 and bf16, each in every program order of
     `--orders`; one markdown row per config."""
@@ -182,9 +200,9 @@ def sweep(args, E, k, D, I, dev, fp4, gate_up, down):
     print("config: m<block_m>, per kernel <BLOCK_N>x<BLOCK_K> w<num_warps> s<num_stages>, r<row_tiles> if > 1, "
           "tma if on, then the reduce and the program order; rel err: "
           "max abs difference to the default config's output over its max\n", flush=True)
-    print("| tokens | format | config | ms | weight GB/s | TFLOP/s | vs grouped_mm | rel err vs default | best |",
-          flush=True)
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    print("| tokens | format | config | ms (best round) | spread over rounds | gate_up / down ms (profiler) | "
+          "weight GB/s | TFLOP/s | vs grouped_mm | rel err vs default | best |", flush=True)
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     for N in args.tokens:
         x, top_idx, top_w, touched = _tokens(N, E, k, D, dev)
         flops = 2 * N * k * (3 * D * I)
@@ -195,7 +213,7 @@ def sweep(args, E, k, D, I, dev, fp4, gate_up, down):
             regime = "decode" if _is_decode(N * k, E, fmt == "MXFP4") else "prefill"  # the kernel's own rule
             wbytes = touched * 3 * D * I * (0.5 + 1 / 32 if fmt == "MXFP4" else 2)
             ref = moe_experts_triton(x, top_idx, top_w, **weights).float()
-            results = []
+            runs = []  # (name, fn, err) of the configs that compiled and ran
             for cfg, order in [(c, o) for c in SWEEP_CONFIGS[regime] for o in args.orders.split(",")]:
                 if (_dense_only(cfg) and fmt == "MXFP4") or (_grouped(cfg) and order != "expert"):
                     continue
@@ -204,21 +222,33 @@ def sweep(args, E, k, D, I, dev, fp4, gate_up, down):
                 try:
                     fn = lambda cfg=cfg: moe_experts_triton(x, top_idx, top_w, **weights, config=cfg)  # noqa: E731
                     err = ((fn().float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-                    ms = _bench(fn, dev)
                 except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report the config, go on
                     msg = f"{type(exc).__name__}: {exc}".replace("\n", " ").replace("|", "/")[:160]
-                    print(f"| {N} | {fmt} | {name} | FAILED: {msg} | | | | | |", flush=True)
+                    print(f"| {N} | {fmt} | {name} | FAILED: {msg} | | | | | | |", flush=True)
                     continue
+                runs.append((name, fn, err))
+            # Rounds interleave the configs: identical configs timed back to back differed by up to 7 % on an H100
+            # (eighteenth session), so a config's figure is its best round and the spread is reported beside it.
+            times = {name: [] for name, _, _ in runs}
+            for _ in range(args.rounds):
+                for name, fn, _ in runs:
+                    times[name].append(_bench(fn, dev))
+            results = []
+            for name, fn, err in runs:
+                ms = min(times[name])
+                spread = f"{100 * (max(times[name]) / ms - 1):.0f} %" if args.rounds > 1 else ""
+                kern = " / ".join(f"{v:.2f}" for v in _kernel_ms(fn)) if args.kernel_times and dev == "cuda" else ""
                 results.append((ms, name))
-                print(f"| {N} | {fmt} | {name} | {ms:.3f} | {wbytes / ms / 1e6:.0f} | {flops / ms / 1e9:.1f} | "
-                      f"{peer / ms:.2f}x | {err:.1e}{' (!)' if err > 2e-2 else ''} | |", flush=True)
+                print(f"| {N} | {fmt} | {name} | {ms:.3f} | {spread} | {kern} | {wbytes / ms / 1e6:.0f} | "
+                      f"{flops / ms / 1e9:.1f} | {peer / ms:.2f}x | {err:.1e}{' (!)' if err > 2e-2 else ''} | |",
+                      flush=True)
             if results:
                 ms, name = min(results)
-                print(f"| {N} | {fmt} | **best: {name}** | **{ms:.3f}** | {wbytes / ms / 1e6:.0f} | "
+                print(f"| {N} | {fmt} | **best: {name}** | **{ms:.3f}** | | | {wbytes / ms / 1e6:.0f} | "
                       f"{flops / ms / 1e9:.1f} | {peer / ms:.2f}x | | **best** |", flush=True)
         gbs = touched * 3 * D * I * 2 / peer / 1e6
-        print(f"| {N} | bf16 | torch._grouped_mm (for scale) | {peer:.3f} | {gbs:.0f} | {flops / peer / 1e9:.1f} "
-              "| 1.00x | | |", flush=True)
+        print(f"| {N} | bf16 | torch._grouped_mm (for scale) | {peer:.3f} | | | {gbs:.0f} | "
+              f"{flops / peer / 1e9:.1f} | 1.00x | | |", flush=True)
 
 
 def main():
@@ -233,6 +263,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="time our kernel over SWEEP_CONFIGS instead of the paths")
     ap.add_argument("--orders", default="expert,tile", help="program orders the sweep runs each config in")
     ap.add_argument("--formats", default="mxfp4,bf16", help="weight formats the sweep times")
+    ap.add_argument("--rounds", type=int, default=1, help="sweep: time every config this many times, interleaved")
+    ap.add_argument("--kernel-times", action="store_true", help="sweep: add each kernel's time (torch.profiler)")
     args = ap.parse_args()
     # top-k capped at the expert count, so a smoke run with few experts keeps the default --top-k
     E, k, (D, I), dev = args.experts, min(args.top_k, args.experts), args.dims, args.device
