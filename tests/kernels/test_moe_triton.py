@@ -233,7 +233,7 @@ def test_mxfp4_configs_match_reference(reduce):
     ({"down": {"row_tiles": 5}}, "row_tiles"),
     ({"gate_up": {"row_tiles": 2.0}}, "row_tiles"),
     ({"down": {"row_tiles": 2}, "order": "tile"}, "row_tiles.*order 'expert'"),
-    ({"gate_up": {"tma": 1}}, "'tma' must be True or False"),
+    ({"gate_up": {"tma": 1}}, r"\['tma'\] must be True or False"),
 ])
 def test_bad_configs(config, match):
     x = torch.zeros(2, 64, dtype=torch.bfloat16, device=DEVICE)
@@ -259,7 +259,7 @@ def test_bad_configs_block_m_twice_and_mxfp4_k_width():
         moe_experts_triton(x, idx, w, **fp4, config={"down": {"BLOCK_K": 16}})
     with pytest.raises(ValueError, match="row_tiles.*bf16"):  # MXFP4 unpacks per product: no row groups
         moe_experts_triton(x, idx, w, **fp4, config={"gate_up": {"row_tiles": 2}})
-    with pytest.raises(ValueError, match="'tma' needs bf16"):
+    with pytest.raises(ValueError, match=r"\['tma'\] needs bf16"):
         moe_experts_triton(x, idx, w, **fp4, config={"down": {"tma": True}})
 
 
