@@ -152,10 +152,15 @@ def _row_tile(SORTED, pid_m, r, covered, num_assign, top_k, BLOCK_M: tl.constexp
 
 
 @triton.jit
+def _x_rows(X, token, valid, kx, D):
+    """A row tile's x rows (gathered by token), inputs kx: `[BLOCK_M, BLOCK_K]`, zeros for pad rows."""
+    return tl.load(X + token[:, None] * D + kx[None, :], mask=valid[:, None] & (kx[None, :] < D), other=0.0)
+
+
+@triton.jit
 def _gate_up_dots(X, token, valid, kx, D, wg_t, wu_t, acc_g, acc_u, DOT_F32: tl.constexpr):
     """One K step of one row tile: its x rows `[BLOCK_M, BLOCK_K]` times the loaded gate and up tiles."""
-    x = tl.load(X + token[:, None] * D + kx[None, :], mask=valid[:, None] & (kx[None, :] < D), other=0.0)
-    x = _mm_in(x, DOT_F32)
+    x = _mm_in(_x_rows(X, token, valid, kx, D), DOT_F32)
     return tl.dot(x, wg_t, acc_g), tl.dot(x, wu_t, acc_u)
 
 
@@ -167,16 +172,23 @@ def _situ_store(H, rows, live, acc_g, acc_u, n, I, beta, linear_beta):
 
 
 @triton.jit
-def _down_dot(Hs, pid_m, r, live, k0, I, w_t, acc, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-              H_DESC: tl.constexpr, DOT_F32: tl.constexpr):
-    """One K step of row tile r: its h rows `[BLOCK_M, BLOCK_K]` times the loaded down tile. H_DESC: Hs is a TMA
-    descriptor over `[padded rows, I]` (a tile past the group's, unmasked there, is read but never stored)."""
+def _h_rows(Hs, pid_m, r, live, k0, I, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, H_DESC: tl.constexpr):
+    """Row tile r's h rows, inputs k0..: `[BLOCK_M, BLOCK_K]`. H_DESC: Hs is a TMA descriptor over `[padded rows,
+    I]` (a tile past the group's, unmasked there, is read but never stored)."""
     if H_DESC:
         h = Hs.load([((pid_m + r) * BLOCK_M).to(tl.int32), k0])
     else:
         rows = ((pid_m + r) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         kh = k0 + tl.arange(0, BLOCK_K)
         h = tl.load(Hs + rows[:, None] * I + kh[None, :], mask=live[:, None] & (kh[None, :] < I), other=0.0)
+    return h
+
+
+@triton.jit
+def _down_dot(Hs, pid_m, r, live, k0, I, w_t, acc, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+              H_DESC: tl.constexpr, DOT_F32: tl.constexpr):
+    """One K step of row tile r: its h rows times the loaded down tile."""
+    h = _h_rows(Hs, pid_m, r, live, k0, I, BLOCK_M, BLOCK_K, H_DESC)
     return tl.dot(_mm_in(h, DOT_F32), w_t, acc)
 
 
@@ -225,7 +237,7 @@ def _gate_up_situ(
     for k0 in range(0, D, BLOCK_K):
         kx = k0 + tl.arange(0, BLOCK_K)
         if FP4:
-            x = tl.load(X + token0[:, None] * D + kx[None, :], mask=valid0[:, None] & (kx[None, :] < D), other=0.0)
+            x = _x_rows(X, token0, valid0, kx, D)
             acc_g0 = _fp4_dot(x, W, S, e, n, k0, 2 * I, D, acc_g0, BLOCK_K)  # gate rows [0, I)
             acc_u0 = _fp4_dot(x, W, S, e, n + I, k0, 2 * I, D, acc_u0, BLOCK_K)  # up rows [I, 2I)
         else:
@@ -261,22 +273,21 @@ def _down(
     e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
     if (e < 0) | (covered == 0):  # a tile past the real ones (`_align` bounds the grid without a host sync)
         return
-    rows0, live0, assign0, valid0, token0 = _row_tile(SORTED, pid_m, 0, covered, num_assign, top_k, BLOCK_M)
+    _, live0, assign0, valid0, token0 = _row_tile(SORTED, pid_m, 0, covered, num_assign, top_k, BLOCK_M)
     if ROW_TILES > 1:
-        rows1, live1, assign1, valid1, token1 = _row_tile(SORTED, pid_m, 1, covered, num_assign, top_k, BLOCK_M)
+        _, live1, assign1, valid1, token1 = _row_tile(SORTED, pid_m, 1, covered, num_assign, top_k, BLOCK_M)
         acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if ROW_TILES > 2:
-        rows2, live2, assign2, valid2, token2 = _row_tile(SORTED, pid_m, 2, covered, num_assign, top_k, BLOCK_M)
+        _, live2, assign2, valid2, token2 = _row_tile(SORTED, pid_m, 2, covered, num_assign, top_k, BLOCK_M)
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if ROW_TILES > 3:
-        rows3, live3, assign3, valid3, token3 = _row_tile(SORTED, pid_m, 3, covered, num_assign, top_k, BLOCK_M)
+        _, live3, assign3, valid3, token3 = _row_tile(SORTED, pid_m, 3, covered, num_assign, top_k, BLOCK_M)
         acc3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output (latent) channels
     acc0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         if FP4:
-            kh = k0 + tl.arange(0, BLOCK_K)
-            h = tl.load(Hs + rows0.to(tl.int64)[:, None] * I + kh[None, :], mask=kh[None, :] < I, other=0.0)
+            h = _h_rows(Hs, pid_m, 0, live0, k0, I, BLOCK_M, BLOCK_K, False)
             acc0 = _fp4_dot(h, W, S, e, n, k0, D, I, acc0, BLOCK_K)
         else:
             w_t = _w_tile(W, e, pid_n * BLOCK_N, k0, D, I, BLOCK_N, BLOCK_K, W_DESC, DOT_F32)
