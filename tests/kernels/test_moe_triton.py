@@ -16,7 +16,9 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from k3_kernels.moe.triton_moe import _DECODE_MAX_ROWS, _align, _fp4_dot, _is_decode, moe_experts_triton  # noqa: E402
+from k3_kernels.moe.triton_moe import (  # noqa: E402
+    _DECODE_MAX_ROWS, _align, _fp4_dot, _is_decode, _launch_row_tiles, moe_experts_triton,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -108,16 +110,26 @@ def test_experts_with_many_row_tiles_and_column_blocks(fp4, order):
     assert rel_err(got.float(), want) <= 1e-2
 
 
+def test_launch_row_tiles_capped_at_the_average_expert():
+    """K3 (896 experts, top-16, 64-row tiles): 2K tokens hold 36 rows an expert (one tile), 8K 146 (three)."""
+    assert _launch_row_tiles(3, 2048 * 16, 896, 64) == 1
+    assert _launch_row_tiles(3, 4096 * 16, 896, 64) == 2
+    assert _launch_row_tiles(3, 8192 * 16, 896, 64) == 3
+    assert _launch_row_tiles(3, 16384 * 16, 896, 64) == 3
+    assert _launch_row_tiles(1, 16384 * 16, 896, 64) == 1
+    assert _launch_row_tiles(4, 1, 896, 64) == 1
+
+
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("reduce", ["atomic", "sorted"])
 @pytest.mark.parametrize("row_tiles", [1, 2, 3, 4])
 def test_row_groups(row_tiles, reduce, tma):
     """Programs covering up to `row_tiles` row tiles of one expert, weights (and down's h) read through pointers or
-    TMA descriptors: experts of 5, 3, 2, 1 and 1 row tiles of 16, so groups are
+    TMA descriptors: experts of 13, 9, 3, 2 and 1 row tiles of 16, so groups are
     full, partial (the program's later tiles belong to the next expert and must be neither read nor written) and
     single, and each weight tile serves every row tile of its group. A row tile missed leaves zeros, one done twice
     adds its atomic twice, a neighbour's rows multiplied by the wrong expert's weights: each fails the comparison."""
-    N, E, k, D, I = 80, 5, 2, 96, 64
+    N, E, k, D, I = 200, 5, 2, 96, 64  # 5 row tiles an expert on average: `_launch_row_tiles` keeps up to 4
     g = torch.Generator().manual_seed(11)
     x = torch.randn(N, D, generator=g).bfloat16().to(DEVICE)
     scores = torch.rand(N, E, generator=g) + torch.tensor([0.8, 0.3, 0.0, -0.1, -0.3])  # uneven loads
@@ -126,6 +138,7 @@ def test_row_groups(row_tiles, reduce, tma):
     tiles_per_expert = (torch.bincount(top_idx.reshape(-1).cpu(), minlength=E) + 15) // 16
     assert tiles_per_expert.max() >= row_tiles + 1 and tiles_per_expert.min() >= 1
     assert row_tiles == 1 or len(set((tiles_per_expert % row_tiles).tolist())) > 1  # partial groups, several sizes
+    assert _launch_row_tiles(row_tiles, N * k, E, 16) == row_tiles  # the groups asked for are the groups launched
     gate_up = (torch.randn(E, 2 * I, D, generator=g) * D**-0.5).bfloat16().to(DEVICE)
     down = (torch.randn(E, D, I, generator=g) * I**-0.5).bfloat16().to(DEVICE)
     want = moe_experts(x.float(), top_idx, top_w, gate_up.float(), down.float())
