@@ -163,6 +163,12 @@ SWEEP_CONFIGS = {
         _cfg(64, 64, 64, 8, 4, down=(128, 64, 8, 4), row_tiles=(3, 1), tma=True),
         _cfg(64, 64, 64, 8, 4, down=(128, 64, 8, 4), row_tiles=(3, 3), reduce="sorted", tma=True),
         _cfg(128, 128, 64, 8, 3, tma=True),
+        # More bytes in flight an SM (one 8-warp block an SM holds 3 of its 4 stages in flight): 5 stages of 64-deep
+        # K, or 8-10 of 32-deep K, within 227 KB of shared memory.
+        _cfg(64, 128, 64, 8, 5),
+        _cfg(64, 128, 32, 8, 8),
+        _cfg(64, 64, 32, 8, 10, down=(128, 32, 8, 10), row_tiles=(3, 3), reduce="sorted"),
+        _cfg(64, 64, 64, 8, 5, down=(128, 64, 8, 5), row_tiles=(3, 3), reduce="sorted"),
     ],
 }
 
