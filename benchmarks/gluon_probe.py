@@ -1,0 +1,270 @@
+"""Probe: does a warp-specialised Hopper pipeline (Gluon, triton >= 3.6) beat our Triton tiles on MoE-prefill GEMMs?
+
+The routed-expert prefill kernel (`k3_kernels.moe.triton_moe._gate_up_situ`) reaches about 365 TFLOP/s on padded
+64-row tiles on an H100, bound neither by its loop's instruction count nor clearly by L2 (BENCHMARKS.md, eighteenth
+session). What CUTLASS / FlashMLA add on Hopper is warp specialisation: a producer warp issuing TMA loads into a
+ring of shared-memory stages and consumer warpgroups issuing asynchronous wgmma, synchronised by mbarriers, with
+registers moved from producer to consumers (`setmaxnreg`). Triton's own `tl.range(warp_specialize=True)` does
+nothing on sm_90a in 3.6, but Gluon (`triton.experimental.gluon`, shipped with triton) expresses it directly.
+
+This script times one uniform grouped GEMM, the MoE gate_up product with the bookkeeping stripped: E experts, each
+`rows` rows of x `[rows, D]` against its weights `[N, D]` (N = 2 I = 6144, D = 3584), written as bf16 `[rows, N]`.
+192 rows is K3 at 8K tokens (146 an expert) in 64-row tiles; 256 lets the 128-row tiles run too. A variant whose
+row tile does not divide `rows` is skipped. Paths, same data, one run:
+
+- `gluon-ws`: the warp-specialised Gluon kernel below, 64 or 128 rows a tile (128: two consumer warpgroups, each
+  with its own 64 rows, sharing every weight stage, like `row_tiles=2`);
+- `triton`: a `tl.dot` kernel with pointer loads, the structure of `_gate_up_situ` without the gather and SiTU;
+- `triton-tma`: the same with host TMA descriptors (what the `tma` option of the MoE kernel does);
+- `torch._grouped_mm`, the peer of the MoE benchmark.
+
+Each path is checked against torch in fp32 first. Run on the GPU:
+
+    . scripts/device_env.sh && python3 benchmarks/gluon_probe.py
+    python benchmarks/gluon_probe.py --compile-only   # CPU: compile the Gluon kernels for sm_90a, print PTX features
+
+Not part of the package: the product kernels stay Triton (they run under the CPU interpreter, which Gluon does
+not), until a probe like this one shows a warp-specialised kernel is worth a GPU-only path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+# Gluon is experimental and its names move: triton 3.6 (the GPU image) has `async_copy_global_to_shared`, later
+# releases renamed it `async_load` (same arguments) and made the old name raise.
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+# ---------------------------------------------------------------------------------------------- Gluon, warp-specialised
+@gluon.jit
+def _ws_load(x_desc, w_desc, ready, empty, x_bufs, w_bufs, off_m, off_w, K, BK: gl.constexpr, STAGES: gl.constexpr):
+    """Producer (one warp): TMA loads of the x and weight tiles of every K step into the stage ring."""
+    for i in range(gl.cdiv(K, BK)):
+        s = i % STAGES
+        # A fresh mbarrier counts as having completed the phase before phase 0, so the first lap does not wait.
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+        _tma_load(x_desc, [off_m, i * BK], ready.index(s), x_bufs.index(s))
+        _tma_load(w_desc, [off_w, i * BK], ready.index(s), w_bufs.index(s))
+
+
+@gluon.jit
+def _ws_mma(ready, empty, x_bufs, w_bufs, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+            STAGES: gl.constexpr, ACC: gl.constexpr):
+    """Consumers (the default partition's warpgroups): asynchronous wgmma, one product in flight; a stage is handed
+    back to the producer once the product that read it has retired."""
+    acc = gl.zeros([BM, BN], gl.float32, ACC)
+    for i in range(gl.cdiv(K, BK)):
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        acc = warpgroup_mma(x_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(acc, ))
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    return (acc, )
+
+
+@gluon.jit
+def _ws_grouped_gemm(X, W, C, ROWS, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                     STAGES: gl.constexpr, X_SMEM: gl.constexpr, W_SMEM: gl.constexpr, ACC: gl.constexpr):
+    """C[e * ROWS + m, n] = X[e * ROWS + m, :] . W[e * N + n, :]; grid (ROWS / BM, N / BN, experts)."""
+    e = gl.program_id(2)
+    off_m = e * ROWS + gl.program_id(0) * BM
+    off_n = gl.program_id(1) * BN
+    # Descriptors built on the device (a 128-byte scratch each, from `triton.set_allocator`).
+    x_desc = tma.make_tensor_descriptor(X, [gl.num_programs(2) * ROWS, K], [K, 1], [BM, BK], X_SMEM)
+    w_desc = tma.make_tensor_descriptor(W, [gl.num_programs(2) * N, K], [K, 1], [BN, BK], W_SMEM)
+    x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], X_SMEM)
+    w_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], W_SMEM)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    (acc, ) = gl.warp_specialize([
+        (_ws_mma, (ready, empty, x_bufs, w_bufs, K, BM, BN, BK, STAGES, ACC)),
+        (_ws_load, (x_desc, w_desc, ready, empty, x_bufs, w_bufs, off_m, e * N + off_n, K, BK, STAGES)),
+    ], [1], [24])
+    rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))
+    cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, ACC))
+    gl.store(C + rows.to(gl.int64)[:, None] * N + cols[None, :], acc.to(gl.bfloat16))
+
+
+def _gluon_constexprs(bm, bn, bk, stages):
+    consumer_warps = bm // 16  # one warpgroup (4 warps) per 64 rows
+    return dict(
+        BM=bm, BN=bn, BK=bk, STAGES=stages,
+        X_SMEM=gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16),
+        W_SMEM=gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16),
+        ACC=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[consumer_warps, 1], instr_shape=[16, bn, 16]),
+    ), consumer_warps
+
+
+def gluon_ws(x, w, rows, bm=64, bn=128, bk=64, stages=4, maxnreg=None):
+    E, N, K = x.shape[0] // rows, w.shape[0] // (x.shape[0] // rows), x.shape[1]
+    c = torch.empty(x.shape[0], N, device=x.device, dtype=torch.bfloat16)
+    cex, warps = _gluon_constexprs(bm, bn, bk, stages)
+    _ws_grouped_gemm[(rows // bm, N // bn, E)](x, w, c, rows, N, K, **cex, num_warps=warps, maxnreg=maxnreg)
+    return c
+
+
+# ----------------------------------------------------------------------------------------------------- Triton peers
+@triton.jit
+def _tl_grouped_gemm(X, W, C, ROWS, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    e = tl.program_id(2)
+    m = e * ROWS + tl.program_id(0) * BM + tl.arange(0, BM)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        x = tl.load(X + m.to(tl.int64)[:, None] * K + k[None, :])
+        w = tl.load(W + (e * N + n).to(tl.int64)[:, None] * K + k[None, :])
+        acc = tl.dot(x, tl.trans(w), acc)
+    tl.store(C + m.to(tl.int64)[:, None] * N + n[None, :], acc.to(tl.bfloat16))
+
+
+@triton.jit
+def _tl_tma_grouped_gemm(XD, WD, C, ROWS, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    e = tl.program_id(2)
+    off_m = e * ROWS + tl.program_id(0) * BM
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        acc = tl.dot(XD.load([off_m, k0]), tl.trans(WD.load([e * N + tl.program_id(1) * BN, k0])), acc)
+    m = off_m + tl.arange(0, BM)
+    tl.store(C + m.to(tl.int64)[:, None] * N + n[None, :], acc.to(tl.bfloat16))
+
+
+def triton_dot(x, w, rows, bm=64, bn=128, bk=64, warps=8, stages=4, tma_loads=False):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    E, K = x.shape[0] // rows, x.shape[1]
+    N = w.shape[0] // E
+    c = torch.empty(x.shape[0], N, device=x.device, dtype=torch.bfloat16)
+    grid = (rows // bm, N // bn, E)
+    if tma_loads:
+        xd = TensorDescriptor.from_tensor(x, block_shape=[bm, bk])
+        wd = TensorDescriptor.from_tensor(w, block_shape=[bn, bk])
+        _tl_tma_grouped_gemm[grid](xd, wd, c, rows, N, K, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+    else:
+        _tl_grouped_gemm[grid](x, w, c, rows, N, K, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+    return c
+
+
+def grouped_mm(x, w, rows):
+    E = x.shape[0] // rows
+    offs = torch.arange(1, E + 1, device=x.device, dtype=torch.int32) * rows
+    return torch._grouped_mm(x, w.view(E, -1, x.shape[1]).transpose(-2, -1), offs=offs)
+
+
+# ----------------------------------------------------------------------------------------------------------- drivers
+VARIANTS = {  # name -> (fn, kwargs)
+    "gluon-ws m64 n128 k64 s4": (gluon_ws, dict(bm=64, bn=128, bk=64, stages=4)),
+    "gluon-ws m64 n128 k64 s6": (gluon_ws, dict(bm=64, bn=128, bk=64, stages=6)),
+    "gluon-ws m128 n128 k64 s4 (two consumer warpgroups)": (gluon_ws, dict(bm=128, bn=128, bk=64, stages=4)),
+    "gluon-ws m128 n256 k64 s3 (two consumer warpgroups)": (gluon_ws, dict(bm=128, bn=256, bk=64, stages=3)),
+    "triton m64 n128 k64 w8 s4 (the MoE kernel's tile)": (triton_dot, dict(bm=64, bn=128, bk=64, warps=8, stages=4)),
+    "triton m128 n128 k64 w8 s4": (triton_dot, dict(bm=128, bn=128, bk=64, warps=8, stages=4)),
+    "triton-tma m64 n128 k64 w8 s4": (triton_dot, dict(bm=64, bn=128, bk=64, warps=8, stages=4, tma_loads=True)),
+    "torch._grouped_mm": (grouped_mm, {}),
+}
+
+
+def compile_only() -> int:
+    """Compile the Gluon variants for sm_90a with the importable triton (no GPU) and print what the PTX holds."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    print(f"triton {triton.__version__}: the Gluon kernels compiled for sm_90a (PTX instruction counts, ptxas)")
+    for name, (fn, kw) in VARIANTS.items():
+        if fn is not gluon_ws:
+            continue
+        cex, warps = _gluon_constexprs(kw["bm"], kw["bn"], kw["bk"], kw["stages"])
+        sig = dict(X="*bf16", W="*bf16", C="*bf16", ROWS="i32", N="i32", K="i32", **{k: "constexpr" for k in cex})
+        attrs = {(i, ): [["tt.divisibility", 16]] for i in range(6)}
+        kernel = triton.compile(GluonASTSource(_ws_grouped_gemm, sig, cex, attrs), target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=warps))
+        ptx = kernel.asm["ptx"]
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(ptx)
+        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                              text=True).stderr
+        os.unlink(f.name)
+        regs = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if "registers" in ln),
+                    "ptxas: " + " ".join(info.split())[:160])
+        spill = next((ln.strip() for ln in info.splitlines() if "spill" in ln), "")
+        counts = {k: ptx.count(k) for k in ("setmaxnreg", "wgmma.mma_async", "wgmma.wait_group",
+                                            "cp.async.bulk.tensor", "mbarrier.try_wait")}
+        print(f"- {name}: {kernel.metadata.num_warps} warps, {kernel.metadata.shared} B shared, {regs}; {spill}; "
+              + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--compile-only", action="store_true", help="CPU: compile the Gluon kernels for sm_90a")
+    ap.add_argument("--experts", type=int, default=256, help="experts timed (weights 44 MB each in bf16)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[192, 256], help="rows an expert, multiples of 64")
+    ap.add_argument("--dims", type=int, nargs=2, default=[3584, 6144], metavar=("D", "N"))
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    if args.compile_only:
+        return compile_only()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        sys.exit("gluon_probe: needs a Hopper (or newer) GPU; --compile-only runs on the CPU")
+    # Device-side TMA descriptors take their 128-byte scratch from here.
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, device="cuda", dtype=torch.int8))
+    (D, N), E = args.dims, args.experts
+    print(f"Grouped GEMM, {E} experts, D = {D}, N = {N}, bf16, {torch.cuda.get_device_name()}, "
+          f"torch {torch.__version__}, triton {triton.__version__}\n")
+    print("| rows an expert | path | rel err | ms (best of rounds) | spread | TFLOP/s | weight GB/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    torch.manual_seed(0)
+    w = torch.randn(E * N, D, device="cuda", dtype=torch.bfloat16) * D**-0.5
+    for rows in args.rows:
+        if rows % 64:
+            sys.exit(f"gluon_probe: --rows {rows} is not a multiple of 64")
+        x = torch.randn(E * rows, D, device="cuda", dtype=torch.bfloat16)
+        # Correctness on the first two experts' first 64 rows (fp32 reference).
+        want = torch.cat([x[e * rows:e * rows + 64].float() @ w[e * N:(e + 1) * N].float().T for e in range(2)])
+        ok = {}
+        for name, (fn, kw) in VARIANTS.items():
+            if rows % kw.get("bm", 64):
+                continue
+            try:
+                got = fn(x, w, rows, **kw)
+                got = torch.cat([got[e * rows:e * rows + 64] for e in range(2)]).float()
+                ok[name] = ((got - want).abs().max() / want.abs().max()).item()
+            except Exception as exc:  # noqa: BLE001 - report and go on: one variant's failure is a finding
+                msg = f"{type(exc).__name__}: {exc}".replace("\n", " ").replace("|", "/")[:300]
+                print(f"| {rows} | {name} | FAILED: {msg} | | | | |", flush=True)
+        times = {name: [] for name in ok}
+        for _ in range(args.rounds):
+            for name in ok:
+                fn, kw = VARIANTS[name]
+                times[name].append(triton.testing.do_bench(lambda fn=fn, kw=kw: fn(x, w, rows, **kw), warmup=10,
+                                                           rep=100))
+        flops = 2 * E * rows * N * D
+        for name in ok:
+            ms = min(times[name])
+            print(f"| {rows} | {name} | {ok[name]:.1e}{' (!)' if ok[name] > 1e-2 else ''} | {ms:.3f} | "
+                  f"{100 * (max(times[name]) / ms - 1):.0f} % | {flops / ms / 1e9:.0f} | {w.nbytes / ms / 1e6:.0f} |",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
