@@ -102,6 +102,46 @@ def _ws_grouped_gemm(X, W, C, ROWS, N, K, BM: gl.constexpr, BN: gl.constexpr, BK
     gl.store(C + rows.to(gl.int64)[:, None] * N + cols[None, :], acc.to(gl.bfloat16))
 
 
+@gluon.jit
+def _pipelined_grouped_gemm(X, W, C, ROWS, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                            STAGES: gl.constexpr, X_SMEM: gl.constexpr, W_SMEM: gl.constexpr, ACC: gl.constexpr):
+    """The same product without warp specialisation: the consumer warps also issue the TMA loads, STAGES - 1 K steps
+    ahead, into the stage the last retired product read. Separates what async wgmma + TMA give from what the
+    producer warp adds. Needs K / BK >= STAGES - 1."""
+    e = gl.program_id(2)
+    off_m = e * ROWS + gl.program_id(0) * BM
+    off_n = gl.program_id(1) * BN
+    x_desc = tma.make_tensor_descriptor(X, [gl.num_programs(2) * ROWS, K], [K, 1], [BM, BK], X_SMEM)
+    w_desc = tma.make_tensor_descriptor(W, [gl.num_programs(2) * N, K], [K, 1], [BN, BK], W_SMEM)
+    x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], X_SMEM)
+    w_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], W_SMEM)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for p in gl.static_range(STAGES):
+        mbarrier.init(ready.index(p), count=1)
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    for p in gl.static_range(STAGES - 1):
+        mbarrier.expect(ready.index(p), nbytes)
+        _tma_load(x_desc, [off_m, p * BK], ready.index(p), x_bufs.index(p))
+        _tma_load(w_desc, [e * N + off_n, p * BK], ready.index(p), w_bufs.index(p))
+    acc = gl.zeros([BM, BN], gl.float32, ACC)
+    n_k = gl.cdiv(K, BK)
+    for i in range(n_k):
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        acc = warpgroup_mma(x_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(acc, ))
+        # Product i - 1 has retired: its stage takes K step i + STAGES - 1.
+        j = i + STAGES - 1
+        sj = j % STAGES
+        mbarrier.expect(ready.index(sj), nbytes, pred=j < n_k)
+        _tma_load(x_desc, [off_m, j * BK], ready.index(sj), x_bufs.index(sj), pred=j < n_k)
+        _tma_load(w_desc, [e * N + off_n, j * BK], ready.index(sj), w_bufs.index(sj), pred=j < n_k)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))
+    cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, ACC))
+    gl.store(C + rows.to(gl.int64)[:, None] * N + cols[None, :], acc.to(gl.bfloat16))
+
+
 def _gluon_constexprs(bm, bn, bk, stages):
     consumer_warps = bm // 16  # one warpgroup (4 warps) per 64 rows
     return dict(
@@ -112,11 +152,12 @@ def _gluon_constexprs(bm, bn, bk, stages):
     ), consumer_warps
 
 
-def gluon_ws(x, w, rows, bm=64, bn=128, bk=64, stages=4, maxnreg=None):
+def gluon_ws(x, w, rows, bm=64, bn=128, bk=64, stages=4, specialise=True):
     E, N, K = x.shape[0] // rows, w.shape[0] // (x.shape[0] // rows), x.shape[1]
     c = torch.empty(x.shape[0], N, device=x.device, dtype=torch.bfloat16)
     cex, warps = _gluon_constexprs(bm, bn, bk, stages)
-    _ws_grouped_gemm[(rows // bm, N // bn, E)](x, w, c, rows, N, K, **cex, num_warps=warps, maxnreg=maxnreg)
+    kernel = _ws_grouped_gemm if specialise else _pipelined_grouped_gemm
+    kernel[(rows // bm, N // bn, E)](x, w, c, rows, N, K, **cex, num_warps=warps)
     return c
 
 
@@ -175,6 +216,10 @@ VARIANTS = {  # name -> (fn, kwargs)
     "gluon-ws m64 n128 k64 s6": (gluon_ws, dict(bm=64, bn=128, bk=64, stages=6)),
     "gluon-ws m128 n128 k64 s4 (two consumer warpgroups)": (gluon_ws, dict(bm=128, bn=128, bk=64, stages=4)),
     "gluon-ws m128 n256 k64 s3 (two consumer warpgroups)": (gluon_ws, dict(bm=128, bn=256, bk=64, stages=3)),
+    "gluon pipelined, no specialisation, m64 n128 k64 s4": (gluon_ws, dict(bm=64, bn=128, bk=64, stages=4,
+                                                                            specialise=False)),
+    "gluon pipelined, no specialisation, m128 n128 k64 s4": (gluon_ws, dict(bm=128, bn=128, bk=64, stages=4,
+                                                                             specialise=False)),
     "triton m64 n128 k64 w8 s4 (the MoE kernel's tile)": (triton_dot, dict(bm=64, bn=128, bk=64, warps=8, stages=4)),
     "triton m128 n128 k64 w8 s4": (triton_dot, dict(bm=128, bn=128, bk=64, warps=8, stages=4)),
     "triton-tma m64 n128 k64 w8 s4": (triton_dot, dict(bm=64, bn=128, bk=64, warps=8, stages=4, tma_loads=True)),
@@ -195,7 +240,8 @@ def compile_only() -> int:
         cex, warps = _gluon_constexprs(kw["bm"], kw["bn"], kw["bk"], kw["stages"])
         sig = dict(X="*bf16", W="*bf16", C="*bf16", ROWS="i32", N="i32", K="i32", **{k: "constexpr" for k in cex})
         attrs = {(i, ): [["tt.divisibility", 16]] for i in range(6)}
-        kernel = triton.compile(GluonASTSource(_ws_grouped_gemm, sig, cex, attrs), target=GPUTarget("cuda", 90, 32),
+        fn_ = _ws_grouped_gemm if kw.get("specialise", True) else _pipelined_grouped_gemm
+        kernel = triton.compile(GluonASTSource(fn_, sig, cex, attrs), target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=warps))
         ptx = kernel.asm["ptx"]
         with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
