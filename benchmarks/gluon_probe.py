@@ -22,6 +22,7 @@ Each path is checked against torch in fp32 first. Run on the GPU:
 
     . scripts/device_env.sh && python3 benchmarks/gluon_probe.py
     python benchmarks/gluon_probe.py --compile-only   # CPU: compile the Gluon kernels for sm_90a, print PTX features
+    python benchmarks/gluon_probe.py --w4a16-sass     # CPU: SASS a weight of a Gluon MXFP4 (W4A16) decode loop
 
 Not part of the package: the product kernels stay Triton (they run under the CPU interpreter, which Gluon does
 not), until a probe like this one shows a warp-specialised kernel is worth a GPU-only path.
@@ -40,7 +41,9 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
 
 # Gluon is experimental and its names move: triton 3.6 (the GPU image) has `async_copy_global_to_shared`, later
 # releases renamed it `async_load` (same arguments) and made the old name raise.
@@ -210,6 +213,97 @@ def grouped_mm(x, w, rows):
     return torch._grouped_mm(x, w.view(E, -1, x.shape[1]).transpose(-2, -1), offs=offs)
 
 
+# --------------------------------------------------------------------------- Gluon W4A16: the MXFP4 decode unpack
+# The MXFP4 decode target (3x bf16 grouped_mm at 64 tokens) needs about 4 or fewer SASS instructions a weight in the
+# unpack loop (BENCHMARKS.md, thirteenth session); `tl.dot_scaled` compiles to 6.5-7.3. In Gluon the packed bytes
+# can be loaded straight into the register layout of wgmma's left operand: `gl.fp4_to_fp` of a
+# `DotOperandLayout(0, acc, k_width=1)` byte tensor is the bf16 operand, with no layout conversion. The bytes a thread
+# needs (c + 4 i, i = 0..7, of each 32-byte block of a row) are made contiguous by storing each block transposed as
+# [4, 8] instead of [8, 4] (a one-time repack of the released layout), so a thread loads 8 bytes a row at once.
+# Weights are the left operand (64 rows a warpgroup), the few tokens an expert gets the right one (N = 8 or 16).
+@gluon.jit
+def _w4a16_decode(WP, WS, X, OUT, K, NT: gl.constexpr, BM: gl.constexpr, ACC: gl.constexpr, PL: gl.constexpr,
+                  XL: gl.constexpr, X_SMEM: gl.constexpr):
+    """OUT[r, t] = sum_k dequant(W)[r, k] X[t, k]: W packed E2M1 `[R, K / 2]` bytes (each 32-byte block stored
+    transposed, see above), E8M0 scales `[R, K / 32]`, X `[NT, K]` bf16. One warpgroup, BM = 64 rows."""
+    BK: gl.constexpr = 64
+    pid = gl.program_id(0)
+    rows = pid * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, PL))
+    p = gl.arange(0, 32, layout=gl.SliceLayout(0, PL))  # physical byte c * 8 + i of the row's block
+    blocks = gl.arange(0, 2, layout=gl.SliceLayout(0, PL))
+    tok = gl.arange(0, NT, layout=gl.SliceLayout(1, XL))
+    kx = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
+    acc = gl.zeros([BM, NT], gl.float32, ACC)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [NT, BK], X_SMEM)
+    # Row pointers hoisted out of the loop: only a scalar offset is added each K step.
+    w_ptr = WP + rows[:, None] * (K // 2) + p[None, :]
+    s_ptr = WS + rows[:, None] * (K // 32) + blocks[None, :]
+    x_ptr = X + tok[:, None] * K + kx[None, :]
+    for k0 in range(0, K, BK):
+        phys = gl.load(w_ptr + k0 // 2)  # [BM, 32] bytes, 8 a thread a row
+        # the logical byte order j = 4 i + c: a change of view, the registers stay where they are
+        wp = gl.reshape(gl.permute(gl.reshape(phys, [BM, 4, 8]), (0, 2, 1)), [BM, 32])
+        w = gl.fp4_to_fp(gl.convert_layout(wp, gl.DotOperandLayout(0, ACC, 1)), gl.bfloat16, axis=1)  # [BM, 64]
+        sb = gl.load(s_ptr + k0 // 32)  # [BM, 2] E8M0
+        sc = (sb.to(gl.int16) << 7).to(gl.bfloat16, bitcast=True)  # 2 ** (byte - 127): exact in bf16 for byte >= 1
+        w3 = gl.reshape(w, [BM, 2, 32])
+        w = gl.reshape(w3 * gl.expand_dims(gl.convert_layout(sc, gl.SliceLayout(2, w3.type.layout)), 2), [BM, BK])
+        x_smem.store(gl.load(x_ptr + k0))
+        fence_async_shared()
+        acc = warpgroup_mma(gl.convert_layout(w, gl.DotOperandLayout(0, ACC, 2)), x_smem.permute((1, 0)), acc)
+    ro = pid * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))
+    co = gl.arange(0, NT, layout=gl.SliceLayout(0, ACC))
+    gl.store(OUT + ro[:, None] * NT + co[None, :], acc)
+
+
+def _w4a16_constexprs(nt=16, bm=64):
+    acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, nt, 16])
+    # [64 rows, 32 bytes] as stored: a thread holds bytes c * 8 + i (i = 0..7, contiguous) of rows r and r + 8,
+    # c = lane % 4, r = 16 warp + lane / 4 (the wgmma operand's rows and K pairs).
+    pl = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
+                                    lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+                                    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[bm, 32])
+    return dict(NT=nt, BM=bm, ACC=acc, PL=pl, XL=gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]),
+                X_SMEM=gl.NVMMASharedLayout.get_default_for([nt, 64], gl.bfloat16))
+
+
+def w4a16_sass() -> int:
+    """CPU: compile `_w4a16_decode` for sm_90a and count the SASS of its K loop, per weight."""
+    import collections
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    print(f"triton {triton.__version__}: `_w4a16_decode` compiled for sm_90a, its K loop (64 rows x 64 inputs a step, "
+          "one warpgroup: 32 weights a thread)")
+    for nt in (8, 16):
+        cex = _w4a16_constexprs(nt=nt)
+        sig = dict(WP="*u8", WS="*u8", X="*bf16", OUT="*fp32", K="i32", **{k: "constexpr" for k in cex})
+        kernel = triton.compile(GluonASTSource(_w4a16_decode, sig, cex, {(i, ): [["tt.divisibility", 16]]
+                                                                          for i in range(5)}),
+                                target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+        with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+            f.write(kernel.asm["cubin"])
+        sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
+        os.unlink(f.name)
+        ins, labels = [], {}
+        for line in sass.splitlines():
+            if m := re.match(r"\s*\.(L_x_\d+):", line):
+                labels[m.group(1)] = len(ins)
+            elif m := re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", line):
+                ins.append(m.group(1))
+        loops = [(labels[m.group(1)], i) for i, x in enumerate(ins)
+                 if (m := re.search(r"BRA.*\.(L_x_\d+)", x)) and labels.get(m.group(1), i + 1) <= i]
+        start, end = max(loops, key=lambda ab: ab[1] - ab[0])
+        body = ins[start:end + 1]
+        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in body)
+        print(f"- N = {nt} tokens: {len(body)} instructions a K step, {len(body) / 32:.1f} a weight; "
+              + ", ".join(f"{k} {v}" for k, v in ops.most_common(10)))
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------------------- drivers
 VARIANTS = {  # name -> (fn, kwargs)
     "gluon-ws m64 n128 k64 s4": (gluon_ws, dict(bm=64, bn=128, bk=64, stages=4)),
@@ -262,6 +356,8 @@ def compile_only() -> int:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--compile-only", action="store_true", help="CPU: compile the Gluon kernels for sm_90a")
+    ap.add_argument("--w4a16-sass", action="store_true",
+                    help="CPU: compile the Gluon W4A16 decode loop for sm_90a and count its instructions a weight")
     ap.add_argument("--experts", type=int, default=256, help="experts timed (weights 44 MB each in bf16)")
     ap.add_argument("--rows", type=int, nargs="+", default=[192, 256], help="rows an expert, multiples of 64")
     ap.add_argument("--dims", type=int, nargs=2, default=[3584, 6144], metavar=("D", "N"))
@@ -269,6 +365,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.compile_only:
         return compile_only()
+    if args.w4a16_sass:
+        return w4a16_sass()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         sys.exit("gluon_probe: needs a Hopper (or newer) GPU; --compile-only runs on the CPU")
     # Device-side TMA descriptors take their 128-byte scratch from here.
