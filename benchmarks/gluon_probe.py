@@ -80,29 +80,48 @@ def _ws_mma(ready, empty, x_bufs, w_bufs, K, BM: gl.constexpr, BN: gl.constexpr,
 
 
 @gluon.jit
-def _ws_grouped_gemm(X, W, C, ROWS, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                     STAGES: gl.constexpr, X_SMEM: gl.constexpr, W_SMEM: gl.constexpr, ACC: gl.constexpr):
-    """C[e * ROWS + m, n] = X[e * ROWS + m, :] . W[e * N + n, :]; grid (ROWS / BM, N / BN, experts)."""
+def _barriers(STAGES: gl.constexpr):
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bars.index(s), count=1)
+    return bars
+
+
+@gluon.jit
+def _operands(X, W, ROWS, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+              X_SMEM: gl.constexpr, W_SMEM: gl.constexpr):
+    """This program's tile (rows off_m.., weight rows off_w.., output columns off_n..), the TMA descriptors of X
+    `[experts * ROWS, K]` and W `[experts * N, K]` (built on the device: a 128-byte scratch each, from
+    `triton.set_allocator`), the stage ring and its ready barriers."""
     e = gl.program_id(2)
     off_m = e * ROWS + gl.program_id(0) * BM
     off_n = gl.program_id(1) * BN
-    # Descriptors built on the device (a 128-byte scratch each, from `triton.set_allocator`).
     x_desc = tma.make_tensor_descriptor(X, [gl.num_programs(2) * ROWS, K], [K, 1], [BM, BK], X_SMEM)
     w_desc = tma.make_tensor_descriptor(W, [gl.num_programs(2) * N, K], [K, 1], [BN, BK], W_SMEM)
     x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], X_SMEM)
     w_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], W_SMEM)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    (acc, ) = gl.warp_specialize([
-        (_ws_mma, (ready, empty, x_bufs, w_bufs, K, BM, BN, BK, STAGES, ACC)),
-        (_ws_load, (x_desc, w_desc, ready, empty, x_bufs, w_bufs, off_m, e * N + off_n, K, BK, STAGES)),
-    ], [1], [24])
+    return off_m, e * N + off_n, off_n, x_desc, w_desc, x_bufs, w_bufs, _barriers(STAGES)
+
+
+@gluon.jit
+def _store_tile(C, acc, off_m, off_n, N, BM: gl.constexpr, BN: gl.constexpr, ACC: gl.constexpr):
     rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))
     cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, ACC))
     gl.store(C + rows.to(gl.int64)[:, None] * N + cols[None, :], acc.to(gl.bfloat16))
+
+
+@gluon.jit
+def _ws_grouped_gemm(X, W, C, ROWS, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                     STAGES: gl.constexpr, X_SMEM: gl.constexpr, W_SMEM: gl.constexpr, ACC: gl.constexpr):
+    """C[e * ROWS + m, n] = X[e * ROWS + m, :] . W[e * N + n, :]; grid (ROWS / BM, N / BN, experts)."""
+    off_m, off_w, off_n, x_desc, w_desc, x_bufs, w_bufs, ready = _operands(X, W, ROWS, N, K, BM, BN, BK, STAGES,
+                                                                             X_SMEM, W_SMEM)
+    empty = _barriers(STAGES)
+    (acc, ) = gl.warp_specialize([
+        (_ws_mma, (ready, empty, x_bufs, w_bufs, K, BM, BN, BK, STAGES, ACC)),
+        (_ws_load, (x_desc, w_desc, ready, empty, x_bufs, w_bufs, off_m, off_w, K, BK, STAGES)),
+    ], [1], [24])
+    _store_tile(C, acc, off_m, off_n, N, BM, BN, ACC)
 
 
 @gluon.jit
@@ -111,21 +130,13 @@ def _pipelined_grouped_gemm(X, W, C, ROWS, N, K, BM: gl.constexpr, BN: gl.conste
     """The same product without warp specialisation: the consumer warps also issue the TMA loads, STAGES - 1 K steps
     ahead, into the stage the last retired product read. Separates what async wgmma + TMA give from what the
     producer warp adds. Needs K / BK >= STAGES - 1."""
-    e = gl.program_id(2)
-    off_m = e * ROWS + gl.program_id(0) * BM
-    off_n = gl.program_id(1) * BN
-    x_desc = tma.make_tensor_descriptor(X, [gl.num_programs(2) * ROWS, K], [K, 1], [BM, BK], X_SMEM)
-    w_desc = tma.make_tensor_descriptor(W, [gl.num_programs(2) * N, K], [K, 1], [BN, BK], W_SMEM)
-    x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], X_SMEM)
-    w_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], W_SMEM)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for p in gl.static_range(STAGES):
-        mbarrier.init(ready.index(p), count=1)
+    off_m, off_w, off_n, x_desc, w_desc, x_bufs, w_bufs, ready = _operands(X, W, ROWS, N, K, BM, BN, BK, STAGES,
+                                                                             X_SMEM, W_SMEM)
     nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
     for p in gl.static_range(STAGES - 1):
         mbarrier.expect(ready.index(p), nbytes)
         _tma_load(x_desc, [off_m, p * BK], ready.index(p), x_bufs.index(p))
-        _tma_load(w_desc, [e * N + off_n, p * BK], ready.index(p), w_bufs.index(p))
+        _tma_load(w_desc, [off_w, p * BK], ready.index(p), w_bufs.index(p))
     acc = gl.zeros([BM, BN], gl.float32, ACC)
     n_k = gl.cdiv(K, BK)
     for i in range(n_k):
@@ -138,11 +149,9 @@ def _pipelined_grouped_gemm(X, W, C, ROWS, N, K, BM: gl.constexpr, BN: gl.conste
         sj = j % STAGES
         mbarrier.expect(ready.index(sj), nbytes, pred=j < n_k)
         _tma_load(x_desc, [off_m, j * BK], ready.index(sj), x_bufs.index(sj), pred=j < n_k)
-        _tma_load(w_desc, [e * N + off_n, j * BK], ready.index(sj), w_bufs.index(sj), pred=j < n_k)
+        _tma_load(w_desc, [off_w, j * BK], ready.index(sj), w_bufs.index(sj), pred=j < n_k)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
-    rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))
-    cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, ACC))
-    gl.store(C + rows.to(gl.int64)[:, None] * N + cols[None, :], acc.to(gl.bfloat16))
+    _store_tile(C, acc, off_m, off_n, N, BM, BN, ACC)
 
 
 def _gluon_constexprs(bm, bn, bk, stages):
