@@ -23,6 +23,7 @@ Each path is checked against torch in fp32 first. Run on the GPU:
     . scripts/device_env.sh && python3 benchmarks/gluon_probe.py
     python benchmarks/gluon_probe.py --compile-only   # CPU: compile the Gluon kernels for sm_90a, print PTX features
     python benchmarks/gluon_probe.py --w4a16-sass     # CPU: SASS a weight of a Gluon MXFP4 (W4A16) decode loop
+    python benchmarks/gluon_probe.py --mla-compile    # CPU: an MLA tile with the heads as the wgmma N side
 
 Not part of the package: the product kernels stay Triton (they run under the CPU interpreter, which Gluon does
 not), until a probe like this one shows a warp-specialised kernel is worth a GPU-only path.
@@ -313,6 +314,84 @@ def w4a16_sass() -> int:
     return 0
 
 
+# ------------------------------------------------------------------------ Gluon MLA decode tile: heads as the N side
+# `tl.dot` puts the 96 absorbed heads on the M side of the products, padded to 128 rows of 64-row wgmma tiles, which
+# caps the decode near 77 % of bandwidth (BENCHMARKS.md, twelfth session). In Gluon the cache tile can be the left
+# operand and a 32-head slice the right one (96 = 3 x 32, nothing padded): S^T = C Q^T, a softmax down each head's
+# column, O^T += C^T P^T with the cache tile read transposed from shared memory. One warpgroup, plain loads, one
+# sequence: a compile probe of the pieces, not a decode kernel (no paging, splits or producer warp).
+@gluon.jit
+def _mla_heads_as_n(C, Q, O, L, NH: gl.constexpr, BT: gl.constexpr, R: gl.constexpr, DR: gl.constexpr,
+                    S_ACC: gl.constexpr, LD: gl.constexpr, C_SMEM: gl.constexpr, PE_SMEM: gl.constexpr,
+                    Q_SMEM: gl.constexpr, QPE_SMEM: gl.constexpr, P_SMEM: gl.constexpr):
+    """O[h, :] = softmax_t(Q[h] . C[t]) C[t, :R] for NH heads over L cached rows `[c (R) | k_pe (DR)]`; log2-scaled
+    scores assumed (no scale, no mask)."""
+    qr = gl.arange(0, NH, layout=gl.SliceLayout(1, LD))
+    tr = gl.arange(0, BT, layout=gl.SliceLayout(1, LD))
+    dr = gl.arange(0, R, layout=gl.SliceLayout(0, LD))
+    dp = R + gl.arange(0, DR, layout=gl.SliceLayout(0, LD))
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [NH, R], Q_SMEM)
+    q_smem.store(gl.load(Q + qr[:, None] * (R + DR) + dr[None, :]))
+    qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [NH, DR], QPE_SMEM)
+    qpe_smem.store(gl.load(Q + qr[:, None] * (R + DR) + dp[None, :]))
+    c_smem = gl.allocate_shared_memory(gl.bfloat16, [BT, R], C_SMEM)
+    pe_smem = gl.allocate_shared_memory(gl.bfloat16, [BT, DR], PE_SMEM)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BT, NH], P_SMEM)
+    m_i = gl.full([NH], float("-inf"), gl.float32, gl.SliceLayout(0, S_ACC))
+    l_i = gl.zeros([NH], gl.float32, gl.SliceLayout(0, S_ACC))
+    o = gl.zeros([R, NH], gl.float32, S_ACC)  # O^T
+    for t0 in range(0, L, BT):
+        c_smem.store(gl.load(C + (t0 + tr)[:, None] * (R + DR) + dr[None, :]))
+        pe_smem.store(gl.load(C + (t0 + tr)[:, None] * (R + DR) + dp[None, :]))
+        fence_async_shared()
+        s = warpgroup_mma(c_smem, q_smem.permute((1, 0)), gl.zeros([BT, NH], gl.float32, S_ACC))  # S^T [BT, NH]
+        s = warpgroup_mma(pe_smem, qpe_smem.permute((1, 0)), s)
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))  # down each head's column
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - gl.expand_dims(m_new, 0))
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        m_i = m_new
+        p_smem.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        o = warpgroup_mma(c_smem.permute((1, 0)), p_smem, o * gl.expand_dims(alpha, 0))  # O^T += C^T P^T
+    o = o / gl.expand_dims(l_i, 0)
+    rr = gl.arange(0, R, layout=gl.SliceLayout(1, S_ACC))
+    hh = gl.arange(0, NH, layout=gl.SliceLayout(0, S_ACC))
+    gl.store(O + hh[None, :] * R + rr[:, None], o)
+
+
+def mla_compile() -> int:
+    """CPU: compile `_mla_heads_as_n` for sm_90a (32 heads, 64-token tiles, r = 512, dr = 64), print its wgmma shapes
+    and ptxas's registers."""
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    nh, bt, r, dr = 32, 64, 512, 64
+    nvmma = gl.NVMMASharedLayout.get_default_for
+    cex = dict(NH=nh, BT=bt, R=r, DR=dr,
+               S_ACC=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, nh, 16]),
+               LD=gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]), C_SMEM=nvmma([bt, r], gl.bfloat16),
+               PE_SMEM=nvmma([bt, dr], gl.bfloat16), Q_SMEM=nvmma([nh, r], gl.bfloat16),
+               QPE_SMEM=nvmma([nh, dr], gl.bfloat16), P_SMEM=nvmma([bt, nh], gl.bfloat16))
+    sig = dict(C="*bf16", Q="*bf16", O="*fp32", L="i32", **{k: "constexpr" for k in cex})
+    kernel = triton.compile(GluonASTSource(_mla_heads_as_n, sig, cex, {(i, ): [["tt.divisibility", 16]]
+                                                                        for i in range(4)}),
+                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    ptx = kernel.asm["ptx"]
+    shapes = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)))
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True).stderr
+    os.unlink(f.name)
+    print(f"triton {triton.__version__}: `_mla_heads_as_n`, {nh} heads x {bt}-token tiles: {ptx.count('wgmma.mma_async')} "
+          f"wgmma a tile ({', '.join(shapes)}), {kernel.metadata.shared} B shared; ptxas: "
+          + "; ".join(" ".join(ln.split()) for ln in info.splitlines() if "registers" in ln or "spill" in ln))
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------------------- drivers
 VARIANTS = {  # name -> (fn, kwargs)
     "gluon-ws m64 n128 k64 s4": (gluon_ws, dict(bm=64, bn=128, bk=64, stages=4)),
@@ -365,6 +444,8 @@ def compile_only() -> int:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--compile-only", action="store_true", help="CPU: compile the Gluon kernels for sm_90a")
+    ap.add_argument("--mla-compile", action="store_true",
+                    help="CPU: compile the Gluon MLA tile with the heads on the N side for sm_90a")
     ap.add_argument("--w4a16-sass", action="store_true",
                     help="CPU: compile the Gluon W4A16 decode loop for sm_90a and count its instructions a weight")
     ap.add_argument("--experts", type=int, default=256, help="experts timed (weights 44 MB each in bf16)")
@@ -376,6 +457,8 @@ def main() -> int:
         return compile_only()
     if args.w4a16_sass:
         return w4a16_sass()
+    if args.mla_compile:
+        return mla_compile()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         sys.exit("gluon_probe: needs a Hopper (or newer) GPU; --compile-only runs on the CPU")
     # Device-side TMA descriptors take their 128-byte scratch from here.
