@@ -14,6 +14,7 @@ row tile does not divide `rows` is skipped. Paths, same data, one run:
 
 - `gluon-ws`: the warp-specialised Gluon kernel below, 64 or 128 rows a tile (128: two consumer warpgroups, each
   with its own 64 rows, sharing every weight stage, like `row_tiles=2`);
+- `gluon pipelined`: the same product without the producer warp (the consumers issue the TMA loads ahead);
 - `triton`: a `tl.dot` kernel with pointer loads, the structure of `_gate_up_situ` without the gather and SiTU;
 - `triton-tma`: the same with host TMA descriptors (what the `tma` option of the MoE kernel does);
 - `torch._grouped_mm`, the peer of the MoE benchmark.
@@ -24,6 +25,9 @@ Each path is checked against torch in fp32 first. Run on the GPU:
     python benchmarks/gluon_probe.py --compile-only   # CPU: compile the Gluon kernels for sm_90a, print PTX features
     python benchmarks/gluon_probe.py --w4a16-sass     # CPU: SASS a weight of a Gluon MXFP4 (W4A16) decode loop
     python benchmarks/gluon_probe.py --mla-compile    # CPU: an MLA tile with the heads as the wgmma N side
+
+The script also holds two compile-only probes for the other Hopper targets: a W4A16 (MXFP4) decode loop whose SASS
+it counts a weight, and an MLA tile with the heads on the N side of the products (see their comments below).
 
 Not part of the package: the product kernels stay Triton (they run under the CPU interpreter, which Gluon does
 not), until a probe like this one shows a warp-specialised kernel is worth a GPU-only path.
