@@ -55,6 +55,26 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
+def _cuda_tool(tool: str, data, suffix: str, *args: str) -> str:
+    """Run one of the CUDA tools shipped in the triton wheel (ptxas, nvdisasm) on `data` written to a temporary
+    file; returns its stdout and stderr together."""
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
+    with tempfile.NamedTemporaryFile("wb" if isinstance(data, bytes) else "w", suffix=suffix, delete=False) as f:
+        f.write(data)
+    try:
+        done = subprocess.run([path, *args, f.name], capture_output=True, text=True)
+    finally:
+        os.unlink(f.name)
+    return done.stdout + done.stderr
+
+
+def _ptxas_info(ptx: str) -> str:
+    """ptxas's register and spill lines for sm_90a."""
+    info = _cuda_tool("ptxas", ptx, ".ptx", "-arch=sm_90a", "-v", "-o", os.devnull)
+    return "; ".join(" ".join(ln.split()) for ln in info.splitlines() if "registers" in ln or "spill" in ln) or (
+        "ptxas: " + " ".join(info.split())[:160])
+
+
 # ---------------------------------------------------------------------------------------------- Gluon, warp-specialised
 @gluon.jit
 def _ws_load(x_desc, w_desc, ready, empty, x_bufs, w_bufs, off_m, off_w, K, BK: gl.constexpr, STAGES: gl.constexpr):
@@ -289,7 +309,6 @@ def w4a16_sass() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     print(f"triton {triton.__version__}: `_w4a16_decode` compiled for sm_90a, its K loop (64 rows x 64 inputs a step, "
           "one warpgroup: 32 weights a thread)")
     for nt in (8, 16):
@@ -298,10 +317,7 @@ def w4a16_sass() -> int:
         kernel = triton.compile(GluonASTSource(_w4a16_decode, sig, cex, {(i, ): [["tt.divisibility", 16]]
                                                                           for i in range(5)}),
                                 target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-        with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-            f.write(kernel.asm["cubin"])
-        sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
-        os.unlink(f.name)
+        sass = _cuda_tool("nvdisasm", kernel.asm["cubin"], ".cubin", "-c")
         ins, labels = [], {}
         for line in sass.splitlines():
             if m := re.match(r"\s*\.(L_x_\d+):", line):
@@ -385,14 +401,9 @@ def mla_compile() -> int:
                             target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     ptx = kernel.asm["ptx"]
     shapes = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)))
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True).stderr
-    os.unlink(f.name)
     print(f"triton {triton.__version__}: `_mla_heads_as_n`, {nh} heads x {bt}-token tiles: {ptx.count('wgmma.mma_async')} "
-          f"wgmma a tile ({', '.join(shapes)}), {kernel.metadata.shared} B shared; ptxas: "
-          + "; ".join(" ".join(ln.split()) for ln in info.splitlines() if "registers" in ln or "spill" in ln))
+          f"wgmma a tile ({', '.join(shapes)}), {kernel.metadata.shared} B shared; "
+          + _ptxas_info(ptx))
     return 0
 
 
@@ -418,7 +429,6 @@ def compile_only() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     print(f"triton {triton.__version__}: the Gluon kernels compiled for sm_90a (PTX instruction counts, ptxas)")
     for name, (fn, kw) in VARIANTS.items():
         if fn is not gluon_ws:
@@ -430,17 +440,9 @@ def compile_only() -> int:
         kernel = triton.compile(GluonASTSource(fn_, sig, cex, attrs), target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=warps))
         ptx = kernel.asm["ptx"]
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-            f.write(ptx)
-        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
-                              text=True).stderr
-        os.unlink(f.name)
-        regs = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if "registers" in ln),
-                    "ptxas: " + " ".join(info.split())[:160])
-        spill = next((ln.strip() for ln in info.splitlines() if "spill" in ln), "")
         counts = {k: ptx.count(k) for k in ("setmaxnreg", "wgmma.mma_async", "wgmma.wait_group",
                                             "cp.async.bulk.tensor", "mbarrier.try_wait")}
-        print(f"- {name}: {kernel.metadata.num_warps} warps, {kernel.metadata.shared} B shared, {regs}; {spill}; "
+        print(f"- {name}: {kernel.metadata.num_warps} warps, {kernel.metadata.shared} B shared, {_ptxas_info(ptx)}; "
               + ", ".join(f"{k} {v}" for k, v in counts.items()))
     return 0
 
