@@ -1,4 +1,5 @@
-"""Compile every Triton kernel in `k3_kernels` for an H200 (sm_90) with whatever triton is importable, no GPU needed.
+"""Compile every Triton (and Gluon) kernel in `k3_kernels` for an H200 (sm_90) with whatever triton is importable, no
+GPU needed.
 
 The CPU tests run the kernels under `TRITON_INTERPRET=1`, which skips Triton's frontend type checks and codegen:
 a kernel can pass there and still fail to compile on the GPU (triton 3.6 rejected the MoE FP4 path that 3.9's
@@ -238,6 +239,38 @@ def _fused_cases():
         yield f"gated norm {dtype}", lambda: gated_rms_norm_triton(o, o, torch.ones(128), 1e-5)
 
 
+def _gluon_moe_cases():
+    """The Gluon MXFP4 decode kernels (Hopper only, so no CPU wrapper call reaches them): compiled directly at K3's
+    widths and the other K-step sizes, for each tokens-a-tile."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from k3_kernels.moe import gluon_moe
+
+    common = dict(W="*u8", WS="*u8", SORTED="*i32", BLOCK_EXPERT="*i32", num_assign="i32", top_k="i32", D="i32",
+                  I="i32")
+    kernels = ((gluon_moe._gate_up_situ, dict(common, X="*bf16", H="*bf16", beta="fp32", linear_beta="fp32")),
+               (gluon_moe._down, dict(common, H="*bf16", OUT="*fp32", TOPW="*fp32")))
+
+    def run(fn, types, nt, s):
+        cex = gluon_moe._constexprs(nt, s)
+        params = list(inspect.signature(fn.fn).parameters)
+        signature = {p: types.get(p, "constexpr") for p in params}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if signature[p].startswith("*")}
+        key = (f"gluon_moe.{fn.__name__}", tuple(sorted((k, str(v)) for k, v in cex.items() if k in ("NT", "S"))),
+               (("num_warps", 4),))
+        try:
+            kernel = triton.compile(GluonASTSource(fn, signature, cex, attrs), target=TARGET,
+                                    options={"num_warps": 4})
+            compiled[key] = "ok" if kernel.metadata.shared <= H200_SHARED_BYTES else "FAILED: shared memory"
+        except Exception as exc:  # noqa: BLE001 - reported like the Triton kernels' failures
+            compiled[key] = f"FAILED: {type(exc).__name__}: {exc}"
+
+    for fn, types in kernels:
+        for nt in (8, 16, 32):
+            for s in (1, 2, 4):
+                yield f"gluon {fn.__name__} NT={nt} S={s}", lambda fn=fn, types=types, nt=nt, s=s: run(fn, types, nt, s)
+
+
 def _launched_kernels() -> set[str]:
     """Names launched as `name[grid](...)` in the kernel sources: what the cases must reach."""
     root = Path(__file__).resolve().parents[1] / "kernels"
@@ -245,7 +278,7 @@ def _launched_kernels() -> set[str]:
     for path in root.rglob("*.py"):
         src = path.read_text()
         for name in re.findall(r"^def (\w+)\(", src, flags=re.M):
-            if re.search(rf"\b{name}\[", src) and f"@triton.jit\ndef {name}(" in src:
+            if re.search(rf"\b{name}\[", src) and (f"@triton.jit\ndef {name}(" in src or f"@gluon.jit\ndef {name}(" in src):
                 names.add(f"{path.stem}.{name}")
     return names
 
@@ -254,7 +287,7 @@ def main() -> int:
     print(f"triton {triton.__version__} ({Path(triton.__file__).parent}), target {TARGET}")
     JITFunction.run = _compile_instead_of_launch
     case_errors = []
-    for cases in (_moe_cases, _kda_cases, _mla_cases, _attnres_cases, _fused_cases):
+    for cases in (_moe_cases, _gluon_moe_cases, _kda_cases, _mla_cases, _attnres_cases, _fused_cases):
         try:
             for name, fn in cases():
                 _current_case[0] = name

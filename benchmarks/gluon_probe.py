@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
@@ -53,6 +54,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 # Gluon is experimental and its names move: triton 3.6 (the GPU image) has `async_copy_global_to_shared`, later
 # releases renamed it `async_load` (same arguments) and made the old name raise.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_thread_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # renamed after 3.6 too
+_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared  # likewise
 
 
 def _cuda_tool(tool: str, data, suffix: str, *args: str) -> str:
@@ -256,66 +259,272 @@ def grouped_mm(x, w, rows):
 # [4, 8] instead of [8, 4] (a one-time repack of the released layout), so a thread loads 8 bytes a row at once.
 # Weights are the left operand (64 rows a warpgroup), the few tokens an expert gets the right one (N = 8 or 16).
 @gluon.jit
-def _w4a16_decode(WP, WS, X, OUT, K, NT: gl.constexpr, BM: gl.constexpr, ACC: gl.constexpr, PL: gl.constexpr,
-                  XL: gl.constexpr, X_SMEM: gl.constexpr):
-    """OUT[r, t] = sum_k dequant(W)[r, k] X[t, k]: W packed E2M1 `[R, K / 2]` bytes (each 32-byte block stored
-    transposed, see above), E8M0 scales `[R, K / 32]`, X `[NT, K]` bf16. One warpgroup, BM = 64 rows."""
-    BK: gl.constexpr = 64
+def _w4a16_unpack_mma(phys, sb, x_tile, acc, BM: gl.constexpr, S: gl.constexpr, ACC: gl.constexpr,
+                      RELEASED: gl.constexpr):
+    """One K step: [BM, 32 S] stored bytes and [BM, 2 S] E8M0 scales -> the bf16 wgmma register operand, times the
+    [NT, 64 S] token tile in shared memory.
+
+    The operand's K position 2 (4 i + c) + h of a 64-input block is the stored byte 8 c + i, nibble h (a change of
+    view: the registers stay where they are). Repacked weights (each 32-byte block stored transposed) make that the
+    released input order. RELEASED weights are read as released instead, so the operand's K order is a permutation
+    of the inputs: the token tile is permuted the same way (`permute_k`, on the host) and the product is unchanged;
+    each thread's 8 bytes of a block then lie in one 32-input scale block, c // 2."""
+    wp = gl.reshape(gl.permute(gl.reshape(phys, [BM, S, 4, 8]), (0, 1, 3, 2)), [BM, 32 * S])
+    w = gl.fp4_to_fp(gl.convert_layout(wp, gl.DotOperandLayout(0, ACC, 1)), gl.bfloat16, axis=1)  # [BM, 64 S]
+    sc = (sb.to(gl.int16) << 7).to(gl.bfloat16, bitcast=True)  # 2 ** (byte - 127): exact in bf16 for byte >= 1
+    if RELEASED:
+        w6 = gl.reshape(w, [BM, S, 8, 2, 2, 2])  # (row, block, i, c // 2, c % 2, h)
+        L6: gl.constexpr = w6.type.layout
+        sc6 = gl.convert_layout(gl.reshape(sc, [BM, S, 2]), gl.SliceLayout(2, gl.SliceLayout(4, gl.SliceLayout(5, L6))))
+        sc6 = gl.expand_dims(gl.expand_dims(gl.expand_dims(sc6, 2), 4), 5)
+        w = gl.reshape(w6 * sc6, [BM, 64 * S])
+    else:
+        w3 = gl.reshape(w, [BM, 2 * S, 32])
+        w = gl.reshape(w3 * gl.expand_dims(gl.convert_layout(sc, gl.SliceLayout(2, w3.type.layout)), 2),
+                       [BM, 64 * S])
+    return warpgroup_mma(gl.convert_layout(w, gl.DotOperandLayout(0, ACC, 2)), x_tile.permute((1, 0)), acc)
+
+
+@gluon.jit
+def _w4a16_grouped(WP, WS, X, OUT, R, K, NT: gl.constexpr, BM: gl.constexpr, S: gl.constexpr,
+                   PREFETCH: gl.constexpr, RELEASED: gl.constexpr, ACC: gl.constexpr, PL: gl.constexpr,
+                   XL: gl.constexpr, X_SMEM: gl.constexpr):
+    """OUT[e, r, t] = sum_k dequant(W[e])[r, k] X[e, t, k] for E experts of R rows, each with NT (padded) tokens.
+    W packed E2M1 `[E, R, K / 2]` bytes (each 32-byte block stored transposed, see above), E8M0 scales
+    `[E, R, K / 32]`, X `[E, NT, K]` bf16, OUT `[E, R, NT]` fp32. One warpgroup a program, BM = 64 rows; a K step is
+    S blocks of 64 inputs. With PREFETCH the next step's weights, scales and tokens are loaded before this step's
+    unpack (carried in registers across the loop, which costs unpack instructions: bytes carried one a register);
+    without it the latency is hidden by the other programs on the SM only."""
+    BK: gl.constexpr = 64 * S
     pid = gl.program_id(0)
+    e = gl.program_id(1).to(gl.int64)
     rows = pid * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, PL))
-    p = gl.arange(0, 32, layout=gl.SliceLayout(0, PL))  # physical byte c * 8 + i of the row's block
-    blocks = gl.arange(0, 2, layout=gl.SliceLayout(0, PL))
+    p = gl.arange(0, 32 * S, layout=gl.SliceLayout(0, PL))  # physical byte 32 s + 8 c + i of the row's step
+    blocks = gl.arange(0, 2 * S, layout=gl.SliceLayout(0, PL))
     tok = gl.arange(0, NT, layout=gl.SliceLayout(1, XL))
     kx = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
     acc = gl.zeros([BM, NT], gl.float32, ACC)
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [NT, BK], X_SMEM)
     # Row pointers hoisted out of the loop: only a scalar offset is added each K step.
-    w_ptr = WP + rows[:, None] * (K // 2) + p[None, :]
-    s_ptr = WS + rows[:, None] * (K // 32) + blocks[None, :]
-    x_ptr = X + tok[:, None] * K + kx[None, :]
+    w_ptr = WP + e * R * (K // 2) + rows[:, None] * (K // 2) + p[None, :]
+    s_ptr = WS + e * R * (K // 32) + rows[:, None] * (K // 32) + blocks[None, :]
+    x_ptr = X + e * NT * K + tok[:, None] * K + kx[None, :]
+    phys = gl.load(w_ptr)
+    sb = gl.load(s_ptr)
+    xs = gl.load(x_ptr)
     for k0 in range(0, K, BK):
-        phys = gl.load(w_ptr + k0 // 2)  # [BM, 32] bytes, 8 a thread a row
-        # the logical byte order j = 4 i + c: a change of view, the registers stay where they are
-        wp = gl.reshape(gl.permute(gl.reshape(phys, [BM, 4, 8]), (0, 2, 1)), [BM, 32])
-        w = gl.fp4_to_fp(gl.convert_layout(wp, gl.DotOperandLayout(0, ACC, 1)), gl.bfloat16, axis=1)  # [BM, 64]
-        sb = gl.load(s_ptr + k0 // 32)  # [BM, 2] E8M0
-        sc = (sb.to(gl.int16) << 7).to(gl.bfloat16, bitcast=True)  # 2 ** (byte - 127): exact in bf16 for byte >= 1
-        w3 = gl.reshape(w, [BM, 2, 32])
-        w = gl.reshape(w3 * gl.expand_dims(gl.convert_layout(sc, gl.SliceLayout(2, w3.type.layout)), 2), [BM, BK])
-        x_smem.store(gl.load(x_ptr + k0))
+        if PREFETCH:
+            kn = gl.minimum(k0 + BK, K - BK)  # the last step reloads itself rather than masking every load
+            phys_n = gl.load(w_ptr + kn // 2)
+            sb_n = gl.load(s_ptr + kn // 32)
+            xs_n = gl.load(x_ptr + kn)
+        else:
+            phys = gl.load(w_ptr + k0 // 2)  # [BM, 32 S] bytes, 8 contiguous a thread a row and block
+            sb = gl.load(s_ptr + k0 // 32)  # [BM, 2 S] E8M0
+            xs = gl.load(x_ptr + k0)
+        x_smem.store(xs)
         fence_async_shared()
-        acc = warpgroup_mma(gl.convert_layout(w, gl.DotOperandLayout(0, ACC, 2)), x_smem.permute((1, 0)), acc)
+        acc = _w4a16_unpack_mma(phys, sb, x_smem, acc, BM, S, ACC, RELEASED)
+        if PREFETCH:
+            phys, sb, xs = phys_n, sb_n, xs_n
     ro = pid * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))
     co = gl.arange(0, NT, layout=gl.SliceLayout(0, ACC))
-    gl.store(OUT + ro[:, None] * NT + co[None, :], acc)
+    gl.store(OUT + e * R * NT + ro[:, None] * NT + co[None, :], acc)
 
 
-def _w4a16_constexprs(nt=16, bm=64):
+@gluon.jit
+def _w4a16_tma(WP, WS, X, OUT, R, K, NT: gl.constexpr, BM: gl.constexpr, S: gl.constexpr, STAGES: gl.constexpr,
+               RELEASED: gl.constexpr, ACC: gl.constexpr, PL: gl.constexpr, W_SMEM: gl.constexpr,
+               X_SMEM: gl.constexpr):
+    """`_w4a16_grouped` with the weights and tokens read by TMA into a ring of STAGES shared-memory stages, issued
+    STAGES - 1 K steps ahead (no registers held for them; read back with 8-byte shared loads through the 128-byte
+    swizzle); the scales are loaded one step ahead into registers. Needs K / (64 S) >= STAGES - 1."""
+    BK: gl.constexpr = 64 * S
+    pid = gl.program_id(0)
+    e = gl.program_id(1)
+    E = gl.num_programs(1)
+    w_desc = tma.make_tensor_descriptor(WP, [E * R, K // 2], [K // 2, 1], [BM, 32 * S], W_SMEM)
+    x_desc = tma.make_tensor_descriptor(X, [E * NT, K], [K, 1], [NT, BK], X_SMEM)
+    w_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, BM, 32 * S], W_SMEM)
+    x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, NT, BK], X_SMEM)
+    ready = _barriers(STAGES)
+    nbytes: gl.constexpr = w_desc.block_type.nbytes + x_desc.block_type.nbytes
+    off_w = e * R + pid * BM
+    off_x = e * NT
+    for p in gl.static_range(STAGES - 1):
+        mbarrier.expect(ready.index(p), nbytes)
+        _tma_load(w_desc, [off_w, p * 32 * S], ready.index(p), w_bufs.index(p))
+        _tma_load(x_desc, [off_x, p * BK], ready.index(p), x_bufs.index(p))
+    rows = pid * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, PL))
+    blocks = gl.arange(0, 2 * S, layout=gl.SliceLayout(0, PL))
+    s_ptr = WS + e.to(gl.int64) * R * (K // 32) + rows[:, None] * (K // 32) + blocks[None, :]
+    sb = gl.load(s_ptr)
+    acc = gl.zeros([BM, NT], gl.float32, ACC)
+    n_k = K // BK
+    for i in range(n_k):
+        st = i % STAGES
+        sb_n = gl.load(s_ptr + gl.minimum(i + 1, n_k - 1) * (BK // 32))
+        # Every warp is past step i - 1, whose product retired: its stage takes K step i + STAGES - 1, issued before
+        # this step's unpack.
+        _thread_barrier()
+        j = i + STAGES - 1
+        sj = j % STAGES
+        mbarrier.expect(ready.index(sj), nbytes, pred=j < n_k)
+        _tma_load(w_desc, [off_w, j * 32 * S], ready.index(sj), w_bufs.index(sj), pred=j < n_k)
+        _tma_load(x_desc, [off_x, j * BK], ready.index(sj), x_bufs.index(sj), pred=j < n_k)
+        mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+        acc = _w4a16_unpack_mma(w_bufs.index(st).load(PL), sb, x_bufs.index(st), acc, BM, S, ACC, RELEASED)
+        sb = sb_n
+    ro = pid * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))
+    co = gl.arange(0, NT, layout=gl.SliceLayout(0, ACC))
+    gl.store(OUT + e.to(gl.int64) * R * NT + ro[:, None] * NT + co[None, :], acc)
+
+
+@gluon.jit
+def _w4a16_cp_async(WP, WS, X, OUT, R, K, NT: gl.constexpr, BM: gl.constexpr, S: gl.constexpr,
+                    STAGES: gl.constexpr, RELEASED: gl.constexpr, ACC: gl.constexpr, PL: gl.constexpr,
+                    XL: gl.constexpr, W_SMEM: gl.constexpr, X_SMEM: gl.constexpr):
+    """`_w4a16_grouped` with the weights and tokens prefetched STAGES - 1 K steps ahead by asynchronous copies
+    (`cp.async`, 8 bytes a thread and row for the weights) into a ring of shared-memory stages: many loads in flight
+    without holding registers for them (carried bytes cost unpack instructions, see `_w4a16_grouped`). Each thread
+    reads back only the weight bytes it copied; the token tile is shared by the warpgroup's product, hence the
+    barrier. The scales are loaded one step ahead into registers. Needs K / (64 S) >= STAGES - 1."""
+    BK: gl.constexpr = 64 * S
+    pid = gl.program_id(0)
+    e = gl.program_id(1).to(gl.int64)
+    rows = pid * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, PL))
+    p = gl.arange(0, 32 * S, layout=gl.SliceLayout(0, PL))
+    blocks = gl.arange(0, 2 * S, layout=gl.SliceLayout(0, PL))
+    tok = gl.arange(0, NT, layout=gl.SliceLayout(1, XL))
+    kx = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
+    w_ptr = WP + e * R * (K // 2) + rows[:, None] * (K // 2) + p[None, :]
+    s_ptr = WS + e * R * (K // 32) + rows[:, None] * (K // 32) + blocks[None, :]
+    x_ptr = X + e * NT * K + tok[:, None] * K + kx[None, :]
+    w_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, BM, 32 * S], W_SMEM)
+    x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, NT, BK], X_SMEM)
+    for q in gl.static_range(STAGES - 1):
+        _cp_async(w_bufs.index(q), w_ptr + q * (BK // 2))
+        _cp_async(x_bufs.index(q), x_ptr + q * BK)
+        async_copy.commit_group()
+    sb = gl.load(s_ptr)
+    acc = gl.zeros([BM, NT], gl.float32, ACC)
+    n_k = K // BK
+    for i in range(n_k):
+        st = i % STAGES
+        sb_n = gl.load(s_ptr + gl.minimum(i + 1, n_k - 1) * (BK // 32))
+        async_copy.wait_group(STAGES - 2)  # this thread's copies of step i have landed
+        _thread_barrier()  # ... and every thread's (the token tile), and all are past step i - 1
+        # Step i - 1's stage takes step i + STAGES - 1 (a clamped re-read past the end keeps the group count).
+        j = gl.minimum(i + STAGES - 1, n_k - 1)
+        sj = (i + STAGES - 1) % STAGES
+        _cp_async(w_bufs.index(sj), w_ptr + j * (BK // 2))
+        _cp_async(x_bufs.index(sj), x_ptr + j * BK)
+        async_copy.commit_group()
+        fence_async_shared()  # the copies wrote through the generic proxy; wgmma reads through the async one
+        acc = _w4a16_unpack_mma(w_bufs.index(st).load(PL), sb, x_bufs.index(st), acc, BM, S, ACC, RELEASED)
+        sb = sb_n
+    async_copy.wait_group(0)
+    ro = pid * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))
+    co = gl.arange(0, NT, layout=gl.SliceLayout(0, ACC))
+    gl.store(OUT + e * R * NT + ro[:, None] * NT + co[None, :], acc)
+
+
+def _w4a16_constexprs(nt=8, s=4, prefetch=False, released=False, bm=64):
     acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, nt, 16])
-    # [64 rows, 32 bytes] as stored: a thread holds bytes c * 8 + i (i = 0..7, contiguous) of rows r and r + 8,
-    # c = lane % 4, r = 16 warp + lane / 4 (the wgmma operand's rows and K pairs).
-    pl = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
+    # [64 rows, 32 S bytes] as stored: a thread holds bytes 32 s + 8 c + i (i = 0..7, contiguous) of rows r and
+    # r + 8, c = lane % 4, r = 16 warp + lane / 4 (the wgmma operand's rows and K pairs).
+    steps = [[0, 32 << j] for j in range(s.bit_length() - 1)]
+    pl = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]] + steps,
                                     lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-                                    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[bm, 32])
-    return dict(NT=nt, BM=bm, ACC=acc, PL=pl, XL=gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]),
-                X_SMEM=gl.NVMMASharedLayout.get_default_for([nt, 64], gl.bfloat16))
+                                    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[bm, 32 * s])
+    xl = gl.BlockedLayout([1, 8], [max(1, 32 // (8 * s)) if 8 * s < 32 else 1, min(32, 8 * s)], [4, 1], [1, 0])
+    return dict(NT=nt, BM=bm, S=s, PREFETCH=prefetch, RELEASED=released, ACC=acc, PL=pl, XL=xl, X_SMEM=gl.NVMMASharedLayout.get_default_for([nt, 64 * s], gl.bfloat16))
+
+
+def _w4a16_tma_constexprs(nt=8, s=4, stages=4, released=False, bm=64):
+    cex = _w4a16_constexprs(nt=nt, s=s, bm=bm)
+    # TMA boxes: the 32 S-byte weight rows in the 128-byte swizzle (conflict-free 8-byte reads for S <= 4); the token
+    # tile unswizzled, since a swizzled box may not be wider than its 128-byte span.
+    return dict(NT=nt, BM=bm, S=s, STAGES=stages, RELEASED=released, ACC=cex["ACC"], PL=cex["PL"],
+                W_SMEM=gl.NVMMASharedLayout.get_default_for([bm, 32 * s], gl.uint8),
+                X_SMEM=gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2))
+
+
+def _w4a16_cp_async_constexprs(nt=8, s=4, stages=4, released=False, bm=64):
+    cex = _w4a16_constexprs(nt=nt, s=s, released=released, bm=bm)
+    del cex["PREFETCH"]
+    # 16-byte chunks XOR-swizzled by row: the 8-byte reads of 8 rows x 4 lanes hit distinct banks.
+    cex.update(STAGES=stages, W_SMEM=gl.SwizzledSharedLayout(16, 1, min(8, 2 * s), order=[1, 0]))
+    return cex
+
+
+def _w4a16_signature(cex):
+    return dict(WP="*u8", WS="*u8", X="*bf16", OUT="*fp32", R="i32", K="i32", **{k: "constexpr" for k in cex})
+
+
+def pack_mxfp4(codes: torch.Tensor) -> torch.Tensor:
+    """[..., K / 2] E2M1 byte pairs in the released order -> each 32-byte block stored transposed (see above)."""
+    *lead, kb = codes.shape
+    return codes.reshape(*lead, kb // 32, 8, 4).transpose(-1, -2).reshape(*lead, kb)
+
+
+
+
+def permute_k(x: torch.Tensor) -> torch.Tensor:
+    """The token tile's inputs in the operand order of released (not repacked) weights: within each 64-input block,
+    position 2 (4 i + c) + h takes input 2 (8 c + i) + h (see `_w4a16_unpack_mma`)."""
+    *lead, k = x.shape
+    return x.reshape(*lead, k // 64, 4, 8, 2).transpose(-3, -2).reshape(*lead, k)
+
+
+def _w4a16_kernel(nt=8, s=4, prefetch=False, stages=0, released=False, cp_async=False):
+    """The kernel and its constexprs: stages > 0 a ring kernel (`_w4a16_cp_async` or `_w4a16_tma`), else
+    `_w4a16_grouped`."""
+    if stages and cp_async:
+        return _w4a16_cp_async, _w4a16_cp_async_constexprs(nt=nt, s=s, stages=stages, released=released)
+    if stages:
+        return _w4a16_tma, _w4a16_tma_constexprs(nt=nt, s=s, stages=stages, released=released)
+    return _w4a16_grouped, _w4a16_constexprs(nt=nt, s=s, prefetch=prefetch, released=released)
+
+
+def w4a16(wp, ws, x, **variant):
+    """OUT [E, R, NT] fp32 for weights `wp` `[E, R, K / 2]` (repacked, or as released with `released=True`)."""
+    E, R, K = wp.shape[0], wp.shape[1], wp.shape[2] * 2
+    out = torch.empty(E, R, x.shape[1], device=x.device, dtype=torch.float32)
+    kernel, cex = _w4a16_kernel(**dict(variant, nt=x.shape[1]))
+    kernel[(R // 64, E)](wp, ws, permute_k(x) if variant.get("released") else x, out, R, K, **cex, num_warps=4)
+    return out
+
+
+def _w4a16_name(nt=8, s=4, prefetch=False, stages=0, released=False, cp_async=False):
+    how = f", {'cp.async' if cp_async else 'TMA'} ring of {stages}" if stages else ", prefetch" if prefetch else ""
+    return f"gluon N = {nt}, S = {s}{how}{', released layout' if released else ''}"
+
+
+# N = 16 with S = 2 and a TMA ring finds no wgmma layout (triton 3.6), so the TMA variants are N = 8 only. They
+# come last: on an H100 they stopped with an illegal address (eighteenth session, not yet found), which ends the run.
+W4A16_VARIANTS = ([dict(nt=nt, s=s, prefetch=pf) for nt in (8, 16) for s in (2, 4, 8) for pf in (False, True)]
+                  + [dict(nt=nt, s=s, stages=st, cp_async=True) for nt in (8, 16) for s, st in ((2, 4), (2, 8), (4, 3),
+                                                                                               (4, 4), (4, 6))]
+                  + [dict(nt=8, s=s, released=True) for s in (2, 4, 8)]
+                  + [dict(nt=8, s=s, stages=st, cp_async=True, released=True) for s, st in ((2, 8), (4, 4))]
+                  + [dict(nt=8, s=s, stages=st) for s, st in ((2, 6), (4, 4), (4, 6), (8, 3))])
 
 
 def w4a16_sass() -> int:
-    """CPU: compile `_w4a16_decode` for sm_90a and count the SASS of its K loop, per weight."""
+    """CPU: compile the W4A16 variants for sm_90a and count the SASS of their K loop, per weight."""
     import collections
     import re
 
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    print(f"triton {triton.__version__}: `_w4a16_decode` compiled for sm_90a, its K loop (64 rows x 64 inputs a step, "
-          "one warpgroup: 32 weights a thread)")
-    for nt in (8, 16):
-        cex = _w4a16_constexprs(nt=nt)
-        sig = dict(WP="*u8", WS="*u8", X="*bf16", OUT="*fp32", K="i32", **{k: "constexpr" for k in cex})
-        kernel = triton.compile(GluonASTSource(_w4a16_decode, sig, cex, {(i, ): [["tt.divisibility", 16]]
-                                                                          for i in range(5)}),
+    print(f"triton {triton.__version__}: the W4A16 kernels compiled for sm_90a, their K loop (64 rows x 64 S "
+          "inputs a step, one warpgroup: 32 S weights a thread)")
+    for variant in W4A16_VARIANTS:
+        fn, cex = _w4a16_kernel(**variant)
+        kernel = triton.compile(GluonASTSource(fn, _w4a16_signature(cex), cex,
+                                               {(i, ): [["tt.divisibility", 16]] for i in range(6)}),
                                 target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
         sass = _cuda_tool("nvdisasm", kernel.asm["cubin"], ".cubin", "-c")
         ins, labels = [], {}
@@ -329,8 +538,67 @@ def w4a16_sass() -> int:
         start, end = max(loops, key=lambda ab: ab[1] - ab[0])
         body = ins[start:end + 1]
         ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in body)
-        print(f"- N = {nt} tokens: {len(body)} instructions a K step, {len(body) / 32:.1f} a weight; "
-              + ", ".join(f"{k} {v}" for k, v in ops.most_common(10)))
+        print(f"- {_w4a16_name(**variant)}: {len(body)} instructions a K step, "
+              f"{len(body) / (32 * variant['s']):.1f} a weight; {_ptxas_info(kernel.asm['ptx'])}; "
+              + ", ".join(f"{k} {v}" for k, v in ops.most_common(8)))
+    return 0
+
+
+def w4a16_bench(E: int, tokens: int, rounds: int, skip: str = "") -> int:
+    """GPU: the Gluon W4A16 grouped decode at the MoE shapes (gate_up: 6144 x 3584, down: 3584 x 3072), E experts
+    with `tokens` tokens each (padded to 8 or 16), against bf16 `torch._grouped_mm` on the same experts."""
+    from k3_kernels.mxfp4.reference import dequantize_mxfp4  # the package's reference (scripts/device_env.sh)
+
+    ceiling = 4.27e12 if "H200" in torch.cuda.get_device_name() else 3.0e12  # measured copy rates (performance.md)
+    print(f"\nW4A16 (MXFP4) grouped decode, {E} experts x {tokens} tokens, {torch.cuda.get_device_name()}; "
+          f"% of a {ceiling / 1e12:.2f} TB/s copy rate\n")
+    print("| shape (R x K) | path | rel err | ms (best of rounds) | spread | weight GB/s | % of copy rate | vs grouped_mm |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    torch.manual_seed(0)
+    for R, K in ((6144, 3584), (3584, 3072)):
+        codes = torch.randint(0, 256, (E, R, K // 2), device="cuda", dtype=torch.uint8)
+        scales = torch.randint(118, 131, (E, R, K // 32), device="cuda", dtype=torch.uint8)
+        wp = pack_mxfp4(codes)
+        x = torch.randn(E, tokens, K, device="cuda", dtype=torch.bfloat16)
+        want = torch.einsum("erk,etk->ert", dequantize_mxfp4(codes[:2], scales[:2], torch.float32), x[:2].float())
+        wb = torch.empty(E, R, K, device="cuda", dtype=torch.bfloat16)
+        for e0 in range(0, E, 32):  # the bf16 copy for the peer, dequantised in slices (fp32 of all would not fit)
+            wb[e0:e0 + 32] = dequantize_mxfp4(codes[e0:e0 + 32], scales[e0:e0 + 32])
+        offs = torch.arange(1, E + 1, device="cuda", dtype=torch.int32) * tokens
+        xf = x.reshape(E * tokens, K)
+        paths = {"torch._grouped_mm bf16": lambda: torch._grouped_mm(xf, wb.transpose(-1, -2), offs=offs)}
+        padded = {}
+        for variant in W4A16_VARIANTS:
+            nt, st = variant["nt"], variant.get("stages", 0)
+            if (nt < tokens or (nt == 16 and tokens <= 8) or (st and K // (64 * variant["s"]) < st - 1)
+                    or (skip and skip in _w4a16_name(**variant))):
+                continue
+            if nt not in padded:
+                padded[nt] = torch.zeros(E, nt, K, device="cuda", dtype=torch.bfloat16)
+                padded[nt][:, :tokens] = x
+            paths[_w4a16_name(**variant)] = lambda xp=padded[nt], v=variant: w4a16(
+                codes if v.get("released") else wp, scales, xp, **v)
+        err, times = {}, {}
+        for name, fn in paths.items():
+            try:
+                got = fn()
+                got = got[:2 * tokens].reshape(2, tokens, R).transpose(1, 2) if got.dim() == 2 else got[:2, :, :tokens]
+                err[name] = ((got.float() - want).abs().max() / want.abs().max()).item()
+                times[name] = []
+            except Exception as exc:  # noqa: BLE001 - report and go on: one variant's failure is a finding
+                msg = f"{type(exc).__name__}: {exc}".replace("\n", " ").replace("|", "/")[:300]
+                print(f"| {R} x {K} | {name} | FAILED: {msg} | | | | | |", flush=True)
+        for _ in range(rounds):
+            for name in times:
+                times[name].append(triton.testing.do_bench(paths[name], warmup=5, rep=50))
+        packed = wp.nbytes + scales.nbytes
+        base = min(times["torch._grouped_mm bf16"])
+        for name, ts in times.items():
+            ms = min(ts)
+            nbytes = wb.nbytes if name.startswith("torch") else packed
+            print(f"| {R} x {K} | {name} | {err[name]:.1e}{' (!)' if err[name] > 1e-2 else ''} | {ms:.3f} | "
+                  f"{100 * (max(ts) / ms - 1):.0f} % | {nbytes / ms / 1e6:.0f} | {100 * nbytes / ms * 1e3 / ceiling:.0f} % "
+                  f"| {base / ms:.2f}x |", flush=True)
     return 0
 
 
@@ -454,7 +722,11 @@ def main() -> int:
                     help="CPU: compile the Gluon MLA tile with the heads on the N side for sm_90a")
     ap.add_argument("--w4a16-sass", action="store_true",
                     help="CPU: compile the Gluon W4A16 decode loop for sm_90a and count its instructions a weight")
-    ap.add_argument("--experts", type=int, default=256, help="experts timed (weights 44 MB each in bf16)")
+    ap.add_argument("--w4a16", action="store_true", help="GPU: time the Gluon W4A16 grouped decode instead")
+    ap.add_argument("--skip", default="", help="--w4a16: leave out the variants whose name holds this")
+    ap.add_argument("--tokens", type=int, default=2, help="--w4a16: tokens an expert (64 tokens, top-16: ~1.7)")
+    ap.add_argument("--experts", type=int, default=256,
+                    help="experts timed (weights 44 MB each in bf16); --w4a16 defaults to 598 (64 tokens, top-16)")
     ap.add_argument("--rows", type=int, nargs="+", default=[192, 256], help="rows an expert, multiples of 64")
     ap.add_argument("--dims", type=int, nargs=2, default=[3584, 6144], metavar=("D", "N"))
     ap.add_argument("--rounds", type=int, default=3)
@@ -469,6 +741,8 @@ def main() -> int:
         sys.exit("gluon_probe: needs a Hopper (or newer) GPU; --compile-only runs on the CPU")
     # Device-side TMA descriptors take their 128-byte scratch from here.
     triton.set_allocator(lambda size, align, stream: torch.empty(size, device="cuda", dtype=torch.int8))
+    if args.w4a16:
+        return w4a16_bench(598 if args.experts == 256 else args.experts, args.tokens, args.rounds, args.skip)
     (D, N), E = args.dims, args.experts
     print(f"Grouped GEMM, {E} experts, D = {D}, N = {N}, bf16, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}, triton {triton.__version__}\n")

@@ -56,6 +56,22 @@ def grouped_mm_experts(x, top_idx, top_w, gate_up, down):
     return out.to(x.dtype)
 
 
+def grouped_mm_gemms(x, top_idx, gate_up, down):
+    """The two `torch._grouped_mm` products of `grouped_mm_experts` alone, on inputs gathered and activated beforehand:
+    what a path that keeps those GEMMs and fuses the rest (gather, SiTU-GLU, weighted scatter) could reach."""
+    flat = top_idx.reshape(-1)
+    order = torch.argsort(flat)
+    offs = torch.cumsum(torch.bincount(flat, minlength=gate_up.shape[0]), 0).to(torch.int32)
+    xs = x[order // top_idx.shape[1]]
+    hs = torch.empty(xs.shape[0], down.shape[-1], device=x.device, dtype=x.dtype).normal_()
+
+    def run():
+        torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(hs, down.transpose(-2, -1), offs=offs)
+
+    return run
+
+
 def loop_experts(x, top_idx, top_w, gate_up, down):
     out = torch.zeros_like(x)
     for e in torch.unique(top_idx).tolist():
@@ -299,6 +315,11 @@ def main():
             "ours bf16": lambda: moe_experts_triton(x, top_idx, top_w, gate_up=gate_up, down=down),
             "torch._grouped_mm bf16": lambda: grouped_mm_experts(x, top_idx, top_w, gate_up, down),
         }
+        if dev == "cuda" and torch.cuda.get_device_capability()[0] == 9 and _is_decode(N * k, E, True):
+            # The Gluon W4A16 decode kernels (`k3_kernels.moe.gluon_moe`), and the Triton ones they replace.
+            paths["ours MXFP4, Gluon"] = lambda: moe_experts_triton(x, top_idx, top_w, **fp4, config={"gluon": True})
+            paths["ours MXFP4, Triton"] = lambda: moe_experts_triton(x, top_idx, top_w, **fp4,
+                                                                      config={"gluon": False})
         if N <= args.loop_max_tokens:
             paths["per-expert loop bf16"] = lambda: loop_experts(x, top_idx, top_w, gate_up, down)
         s = slice(0, min(N, 4))  # reference on a few tokens (fp32 over the touched experts)
@@ -307,6 +328,8 @@ def main():
             err = ((fn()[s].float() - ref).abs().max() / ref.abs().max()).item()
             assert err < 2e-2, f"{name} N={N}: rel err {err}"
         flops = 2 * N * k * (3 * D * I)
+        if dev == "cuda" and not _is_decode(N * k, E, False):  # not a path: no output to check
+            paths["torch._grouped_mm bf16, the two GEMMs alone"] = grouped_mm_gemms(x, top_idx, gate_up, down)
         for name, fn in paths.items():
             ms = _bench(fn, dev)
             wbytes = touched * 3 * D * I * (0.5 + 1 / 32 if "MXFP4" in name else 2)
@@ -321,9 +344,10 @@ def main():
     for N, t, name, ms, gbs, tf in rows:
         print(f"| {N} | {t} | {name} | {ms:.3f} | {gbs:.0f} | {100 * gbs / 1e3 / PEAK_TBS:.0f} % | {tf:.1f} | "
               f"{100 * tf / PEAK_TFLOPS:.1f} % | {peer[N] / ms:.2f}x |")
-    fp4_ms = {N: ms for N, _, name, ms, _, _ in rows if name == "ours MXFP4"}
-    if 64 in fp4_ms:
-        print(f"\nours MXFP4 vs torch._grouped_mm bf16 at 64 tokens: {peer[64] / fp4_ms[64]:.2f}x (target >= 3x)")
+    for path in ("ours MXFP4", "ours MXFP4, Gluon", "ours MXFP4, Triton"):
+        fp4_ms = {N: ms for N, _, name, ms, _, _ in rows if name == path}
+        if 64 in fp4_ms:
+            print(f"\n{path} vs torch._grouped_mm bf16 at 64 tokens: {peer[64] / fp4_ms[64]:.2f}x (target >= 3x)")
 
 
 if __name__ == "__main__":

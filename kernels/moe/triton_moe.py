@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..dispatch import _warn_once
+
 __all__ = ["moe_experts_triton"]
 
 # Triton's CPU interpreter computes bf16 `tl.dot` wrongly (numpy has no bf16), so under TRITON_INTERPRET the
@@ -347,7 +349,7 @@ def _align(top_idx: torch.Tensor, num_experts: int, block_m: int):
 def _tiles(block_m, bn, bk, warps, stages, order, down_bn=None):
     kern = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages, "row_tiles": 1, "tma": False}
     down = dict(kern, BLOCK_N=down_bn or bn)
-    return {"block_m": block_m, "reduce": "atomic", "order": order, "gate_up": kern, "down": down}
+    return {"block_m": block_m, "reduce": "atomic", "order": order, "gluon": False, "gate_up": kern, "down": down}
 
 
 _DEFAULT_CONFIGS = {
@@ -361,7 +363,7 @@ _DEFAULT_CONFIGS = {
 # at 18.3; MXFP4 11.2 / 23.2 at 9.1 rows, 17.5 / 23.3 at 18.3 (its prefill tiles multiply 128 rows per unpacked
 # weight; its decode tiles unpack every weight once per 16 rows, so they lose further up).
 _DECODE_MAX_ROWS = {"dense": 12, "mxfp4": 24}
-_CONFIG_KEYS = ("block_m", "reduce", "order", "gate_up", "down")
+_CONFIG_KEYS = ("block_m", "reduce", "order", "gluon", "gate_up", "down")
 _KERNEL_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "row_tiles", "tma")
 _REDUCES = ("atomic", "sorted")
 _ORDERS = ("expert", "tile")
@@ -408,6 +410,12 @@ def _resolve_config(config, block_m, *, decode: bool, fp4: bool, D: int, I: int)
         raise ValueError(f"config['reduce'] must be one of {_REDUCES}, got {out['reduce']!r}")
     if out["order"] not in _ORDERS:
         raise ValueError(f"config['order'] must be one of {_ORDERS}, got {out['order']!r}")
+    out["gluon"] = config.get("gluon", base["gluon"])
+    if not isinstance(out["gluon"], bool):
+        raise ValueError(f"config['gluon'] must be True or False, got {out['gluon']!r}")
+    if "gluon" in config and out["gluon"] and not (fp4 and decode):
+        raise ValueError("config['gluon'] = True: the Gluon kernels serve MXFP4 experts at decode sizes only (at most "
+                         f"{_DECODE_MAX_ROWS['mxfp4']} assignments an expert on average)")
     for kern, k_name, K, N in (("gate_up", "D", D, I), ("down", "I", I, D)):  # K read, N written
         sub = config.get(kern, {})
         if not isinstance(sub, dict):
@@ -478,7 +486,9 @@ def moe_experts_triton(
     tile it loads by up to that many row tiles of its expert, see `_program_tile`; bf16 / fp16 weights, "expert"
     order) and `tma` (bool: the dense weights, and down's h, through Hopper TMA descriptors; compute capability
     >= 9.0, the K width a multiple of 8). `row_tiles` is a maximum: a launch covers at most the row tiles an expert
-    holds on average (`_launch_row_tiles`). Unknown keys raise ValueError.
+    holds on average (`_launch_row_tiles`). `gluon` (bool): MXFP4 experts at decode sizes run on the Gluon kernels of
+    `gluon_moe` (Hopper only; an explicit True elsewhere, or for bf16 / prefill, raises; tiles and block_m then do
+    not apply). Unknown keys raise ValueError.
     """
     fp4 = w13_packed is not None
     if fp4 == (gate_up is not None):
@@ -503,9 +513,20 @@ def moe_experts_triton(
         raise ValueError(f"top_k_index {tuple(top_idx.shape)} / top_k_weights {tuple(top_w.shape)} must be [N, k]")
     N, k = top_idx.shape
     # Decode: a handful of tokens per expert, so small row tiles; prefill: bigger tiles reuse the weights.
-    cfg = _resolve_config(config, block_m, decode=_is_decode(N * k, E, fp4), fp4=fp4, D=D, I=I)
+    decode = _is_decode(N * k, E, fp4)
+    cfg = _resolve_config(config, block_m, decode=decode, fp4=fp4, D=D, I=I)
     if N == 0:
         return torch.zeros((0, D), device=x.device, dtype=x.dtype)
+    if cfg["gluon"] and fp4 and decode:
+        from .gluon_moe import gluon_decode_available, moe_experts_gluon
+
+        if gluon_decode_available(x.device):
+            return moe_experts_gluon(x, top_idx, top_w, W1, S1, W2, S2, beta=beta, linear_beta=linear_beta)
+        if "gluon" in (config or {}):
+            raise RuntimeError(f"config['gluon'] = True needs a compute capability 9.x CUDA device (wgmma), got "
+                               f"{x.device}")
+        _warn_once("moe-gluon", "transformers-k3: the Gluon MXFP4 decode kernels need a Hopper GPU; using the Triton "
+                                "kernels")
     bm, c1, c2 = cfg["block_m"], cfg["gate_up"], cfg["down"]
     sorted_ids, block_expert, tiles, run_end, run_len = _align(top_idx, E, bm)
     hbuf = torch.empty((tiles * bm, I), device=x.device, dtype=torch.bfloat16)

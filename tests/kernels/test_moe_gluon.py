@@ -1,0 +1,112 @@
+"""Gluon MXFP4 decode experts (`k3_kernels.moe.gluon_moe`) against the torch reference.
+
+Gluon kernels do not run under `TRITON_INTERPRET` (they need a driver), so the numeric tests run on a Hopper GPU
+only; on the CPU this file checks the selection rules and the errors. Tolerance rule, as for the Triton kernels: bf16
+products with fp32 accumulation and h rounded to bf16, so rel_err <= 1e-2 against the fp32 reference on the same
+(bf16-representable) inputs.
+"""
+
+import pytest
+import torch
+
+from helpers import rel_err
+from k3_kernels.moe.reference import moe_experts_mxfp4
+from k3_kernels.mxfp4.reference import quantize_mxfp4
+
+pytest.importorskip("triton")
+pytest.importorskip("triton.experimental.gluon")
+
+from k3_kernels.moe.gluon_moe import _k_step, moe_experts_gluon, tokens_per_tile  # noqa: E402
+from k3_kernels.moe.triton_moe import moe_experts_triton  # noqa: E402
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="Gluon wgmma kernels need a Hopper GPU")
+
+
+def _experts(E, D, I, g):
+    """MXFP4 experts with a spread of scales (inputs of very different sizes share no block by accident)."""
+    w13p, w13s = quantize_mxfp4(torch.randn(E, 2 * I, D, generator=g) * torch.logspace(-3, 1, D))
+    w2p, w2s = quantize_mxfp4(torch.randn(E, D, I, generator=g) * 0.1)
+    return [t.to(DEVICE) for t in (w13p, w13s, w2p, w2s)]
+
+
+def _routing(N, E, k, g, hot=0.0):
+    scores = torch.rand(N, E, generator=g)
+    scores[:, 0] += hot  # a hot expert: its assignments fill several tiles
+    top_w, top_idx = scores.topk(k, dim=-1)
+    return top_idx.to(DEVICE), (top_w / top_w.sum(-1, keepdim=True)).to(DEVICE)
+
+
+@needs_hopper
+@pytest.mark.parametrize("nt", [None, 8, 16, 32])
+@pytest.mark.parametrize("N,E,k,D,I,hot", [
+    (1, 8, 2, 64, 64, 0.0),  # one token: S = 1, most tiles spare
+    (5, 7, 3, 256, 192, 0.0),  # S = 4 for gate_up, S = 1 for down
+    (33, 6, 4, 384, 128, 0.5),  # a hot expert over several tiles; S = 2
+    (100, 9, 2, 512, 320, 0.5),  # uneven loads, I = 5 x 64
+])
+def test_matches_reference(N, E, k, D, I, hot, nt):
+    g = torch.Generator().manual_seed(N * D + I)
+    x = torch.randn(N, D, generator=g).bfloat16().to(DEVICE)
+    w = _experts(E, D, I, g)
+    top_idx, top_w = _routing(N, E, k, g, hot)
+    want = moe_experts_mxfp4(x.float(), top_idx, top_w, *w)
+    got = moe_experts_gluon(x, top_idx, top_w, *w, tokens_per_tile_=nt)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    assert torch.isfinite(got).all()
+    assert rel_err(got.float(), want) <= 1e-2
+
+
+@needs_hopper
+def test_k3_widths_and_the_triton_entry_point():
+    """K3's latent and expert widths (3584, 3072: S = 4 for both), through `moe_experts_triton(config=...)`, which
+    must give exactly what the Gluon function gives; the Triton kernels agree to the tolerance."""
+    E, k, D, I, N = 12, 4, 3584, 3072, 6
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(N, D, generator=g).bfloat16().to(DEVICE)
+    w = _experts(E, D, I, g)
+    top_idx, top_w = _routing(N, E, k, g)
+    fp4 = dict(w13_packed=w[0], w13_scale=w[1], w2_packed=w[2], w2_scale=w[3])
+    got = moe_experts_triton(x, top_idx, top_w, **fp4, config={"gluon": True})
+    assert rel_err(got.float(), moe_experts_mxfp4(x.float(), top_idx, top_w, *w)) <= 1e-2
+    assert rel_err(got.float(), moe_experts_triton(x, top_idx, top_w, **fp4, config={"gluon": False}).float()) <= 1e-2
+    # The atomics add a token's k slots in a varying order: equal to fp32 rounding, not bit for bit.
+    assert rel_err(got.float(), moe_experts_gluon(x, top_idx, top_w, *w).float()) <= 1e-3
+
+
+def test_tokens_per_tile_and_k_step():
+    assert [tokens_per_tile(a, 896) for a in (16, 1024, 896 * 4, 896 * 5, 896 * 12, 896 * 13)] == [8, 8, 8, 16, 16, 32]
+    assert [_k_step(k) for k in (3584, 3072, 128, 64, 320)] == [4, 4, 2, 1, 1]
+    with pytest.raises(ValueError, match="multiples of 64"):
+        _k_step(96)
+
+
+def _tiny_fp4(D=64, I=64):
+    g = torch.Generator().manual_seed(0)
+    w = _experts(2, D, I, g)
+    return dict(w13_packed=w[0], w13_scale=w[1], w2_packed=w[2], w2_scale=w[3])
+
+
+def test_bad_requests():
+    x = torch.zeros(2, 64, dtype=torch.bfloat16, device=DEVICE)
+    idx, tw = torch.zeros(2, 1, dtype=torch.long, device=DEVICE), torch.ones(2, 1, device=DEVICE)
+    fp4 = _tiny_fp4()
+    with pytest.raises(ValueError, match=r"\['gluon'\] must be True or False"):
+        moe_experts_triton(x, idx, tw, **fp4, config={"gluon": 1})
+    gu = torch.zeros(1, 128, 64, dtype=torch.bfloat16, device=DEVICE)
+    dn = torch.zeros(1, 64, 64, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="MXFP4 experts at decode sizes"):
+        moe_experts_triton(x, idx, tw, gate_up=gu, down=dn, config={"gluon": True})
+    if HOPPER:
+        with pytest.raises(ValueError, match="tokens_per_tile must be 8, 16 or 32"):
+            moe_experts_gluon(x, idx, tw, *fp4.values(), tokens_per_tile_=12)
+        with pytest.raises(ValueError, match="multiples of 64"):
+            moe_experts_gluon(torch.zeros(2, 96, dtype=torch.bfloat16, device=DEVICE), idx, tw,
+                              *_tiny_fp4(D=96).values())
+    else:
+        # An explicit request where the kernels cannot run raises, naming what is missing.
+        with pytest.raises(RuntimeError, match="compute capability 9"):
+            moe_experts_triton(x, idx, tw, **fp4, config={"gluon": True})
+        with pytest.raises(RuntimeError, match="compute capability 9"):
+            moe_experts_gluon(x, idx, tw, *fp4.values())
