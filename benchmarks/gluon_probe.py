@@ -23,14 +23,17 @@ Each path is checked against torch in fp32 first. Run on the GPU:
 
     . scripts/device_env.sh && python3 benchmarks/gluon_probe.py
     python benchmarks/gluon_probe.py --compile-only   # CPU: compile the Gluon kernels for sm_90a, print PTX features
-    python benchmarks/gluon_probe.py --w4a16-sass     # CPU: SASS a weight of a Gluon MXFP4 (W4A16) decode loop
+    . scripts/device_env.sh && python3 benchmarks/gluon_probe.py --w4a16 [--skip TMA]  # the W4A16 variants
+    python benchmarks/gluon_probe.py --w4a16-sass     # CPU: SASS a weight of each W4A16 variant's K loop
     python benchmarks/gluon_probe.py --mla-compile    # CPU: an MLA tile with the heads as the wgmma N side
 
-The script also holds two compile-only probes for the other Hopper targets: a W4A16 (MXFP4) decode loop whose SASS
-it counts a weight, and an MLA tile with the heads on the N side of the products (see their comments below).
+The script also holds the W4A16 (MXFP4 decode) loop variants that led to `k3_kernels.moe.gluon_moe` (repacked or
+released layout, K-step width, register prefetch, `cp.async` and TMA rings: `--w4a16` times them on a uniform grouped
+product against bf16 `torch._grouped_mm`, BENCHMARKS.md, nineteenth session), and a compile-only MLA tile with the
+heads on the N side of the products (see their comments below).
 
-Not part of the package: the product kernels stay Triton (they run under the CPU interpreter, which Gluon does
-not), until a probe like this one shows a warp-specialised kernel is worth a GPU-only path.
+Not part of the package: the prefill product kernels stay Triton (they run under the CPU interpreter, which Gluon
+does not); the package's one Gluon path is the MXFP4 decode of `gluon_moe`, which measured worth a GPU-only path.
 """
 
 from __future__ import annotations
@@ -333,6 +336,37 @@ def _w4a16_grouped(WP, WS, X, OUT, R, K, NT: gl.constexpr, BM: gl.constexpr, S: 
 
 
 @gluon.jit
+def _w4a16_whole_x(WP, WS, X, OUT, R, K, NT: gl.constexpr, BM: gl.constexpr, S: gl.constexpr,
+                   KSTEPS: gl.constexpr, ACC: gl.constexpr, PL: gl.constexpr, XL: gl.constexpr,
+                   X_SMEM: gl.constexpr):
+    """`_w4a16_grouped` with the expert's whole token tile `[KSTEPS, NT, 64 S]` put in shared memory once, so the K
+    loop has no barrier, store or token load; BM = 64 or 128 (two warpgroups sharing the token tile)."""
+    BK: gl.constexpr = 64 * S
+    pid = gl.program_id(0)
+    e = gl.program_id(1).to(gl.int64)
+    rows = pid * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, PL))
+    p = gl.arange(0, 32 * S, layout=gl.SliceLayout(0, PL))
+    blocks = gl.arange(0, 2 * S, layout=gl.SliceLayout(0, PL))
+    tok = gl.arange(0, NT, layout=gl.SliceLayout(1, XL))
+    kx = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
+    x_all = gl.allocate_shared_memory(gl.bfloat16, [KSTEPS, NT, BK], X_SMEM)
+    x_ptr = X + e * NT * K + tok[:, None] * K + kx[None, :]
+    for i in range(KSTEPS):
+        x_all.index(i).store(gl.load(x_ptr + i * BK))
+    fence_async_shared()
+    _thread_barrier()
+    w_ptr = WP + e * R * (K // 2) + rows[:, None] * (K // 2) + p[None, :]
+    s_ptr = WS + e * R * (K // 32) + rows[:, None] * (K // 32) + blocks[None, :]
+    acc = gl.zeros([BM, NT], gl.float32, ACC)
+    for i in range(KSTEPS):
+        acc = _w4a16_unpack_mma(gl.load(w_ptr + i * (BK // 2)), gl.load(s_ptr + i * (BK // 32)), x_all.index(i), acc,
+                                BM, S, ACC, False)
+    ro = pid * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))
+    co = gl.arange(0, NT, layout=gl.SliceLayout(0, ACC))
+    gl.store(OUT + e * R * NT + ro[:, None] * NT + co[None, :], acc)
+
+
+@gluon.jit
 def _w4a16_tma(WP, WS, X, OUT, R, K, NT: gl.constexpr, BM: gl.constexpr, S: gl.constexpr, STAGES: gl.constexpr,
                RELEASED: gl.constexpr, ACC: gl.constexpr, PL: gl.constexpr, W_SMEM: gl.constexpr,
                X_SMEM: gl.constexpr):
@@ -430,15 +464,18 @@ def _w4a16_cp_async(WP, WS, X, OUT, R, K, NT: gl.constexpr, BM: gl.constexpr, S:
 
 
 def _w4a16_constexprs(nt=8, s=4, prefetch=False, released=False, bm=64):
-    acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, nt, 16])
+    acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[bm // 16, 1], instr_shape=[16, nt, 16])
     # [64 rows, 32 S bytes] as stored: a thread holds bytes 32 s + 8 c + i (i = 0..7, contiguous) of rows r and
     # r + 8, c = lane % 4, r = 16 warp + lane / 4 (the wgmma operand's rows and K pairs).
     steps = [[0, 32 << j] for j in range(s.bit_length() - 1)]
     pl = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]] + steps,
                                     lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-                                    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[bm, 32 * s])
-    xl = gl.BlockedLayout([1, 8], [max(1, 32 // (8 * s)) if 8 * s < 32 else 1, min(32, 8 * s)], [4, 1], [1, 0])
-    return dict(NT=nt, BM=bm, S=s, PREFETCH=prefetch, RELEASED=released, ACC=acc, PL=pl, XL=xl, X_SMEM=gl.NVMMASharedLayout.get_default_for([nt, 64 * s], gl.bfloat16))
+                                    warp_bases=[[16 << j, 0] for j in range((bm // 16).bit_length() - 1)],
+                                    block_bases=[], shape=[bm, 32 * s])
+    cols = min(32, 8 * s)  # threads along K of the token tile, 8 inputs each
+    xl = gl.BlockedLayout([1, 8], [32 // cols, cols], [bm // 16, 1], [1, 0])
+    return dict(NT=nt, BM=bm, S=s, PREFETCH=prefetch, RELEASED=released, ACC=acc, PL=pl, XL=xl,
+                X_SMEM=gl.NVMMASharedLayout.get_default_for([nt, 64 * s], gl.bfloat16))
 
 
 def _w4a16_tma_constexprs(nt=8, s=4, stages=4, released=False, bm=64):
@@ -477,9 +514,18 @@ def permute_k(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(*lead, k // 64, 4, 8, 2).transpose(-3, -2).reshape(*lead, k)
 
 
-def _w4a16_kernel(nt=8, s=4, prefetch=False, stages=0, released=False, cp_async=False):
+def _w4a16_whole_x_constexprs(nt=8, s=4, bm=64, k=3584):
+    cex = _w4a16_constexprs(nt=nt, s=s, bm=bm)
+    del cex["PREFETCH"], cex["RELEASED"]
+    cex["KSTEPS"] = k // (64 * s)
+    return cex
+
+
+def _w4a16_kernel(nt=8, s=4, prefetch=False, stages=0, released=False, cp_async=False, whole_x=0, k=3584):
     """The kernel and its constexprs: stages > 0 a ring kernel (`_w4a16_cp_async` or `_w4a16_tma`), else
     `_w4a16_grouped`."""
+    if whole_x:  # whole_x = the rows a program: 64 or 128
+        return _w4a16_whole_x, _w4a16_whole_x_constexprs(nt=nt, s=s, bm=whole_x, k=k)
     if stages and cp_async:
         return _w4a16_cp_async, _w4a16_cp_async_constexprs(nt=nt, s=s, stages=stages, released=released)
     if stages:
@@ -491,13 +537,16 @@ def w4a16(wp, ws, x, **variant):
     """OUT [E, R, NT] fp32 for weights `wp` `[E, R, K / 2]` (repacked, or as released with `released=True`)."""
     E, R, K = wp.shape[0], wp.shape[1], wp.shape[2] * 2
     out = torch.empty(E, R, x.shape[1], device=x.device, dtype=torch.float32)
-    kernel, cex = _w4a16_kernel(**dict(variant, nt=x.shape[1]))
-    kernel[(R // 64, E)](wp, ws, permute_k(x) if variant.get("released") else x, out, R, K, **cex, num_warps=4)
+    kernel, cex = _w4a16_kernel(**dict(variant, nt=x.shape[1], k=K))
+    bm = variant.get("whole_x") or 64
+    kernel[(R // bm, E)](wp, ws, permute_k(x) if variant.get("released") else x, out, R, K, **cex,
+                         num_warps=bm // 16)
     return out
 
 
-def _w4a16_name(nt=8, s=4, prefetch=False, stages=0, released=False, cp_async=False):
+def _w4a16_name(nt=8, s=4, prefetch=False, stages=0, released=False, cp_async=False, whole_x=0, k=3584):
     how = f", {'cp.async' if cp_async else 'TMA'} ring of {stages}" if stages else ", prefetch" if prefetch else ""
+    how += f", whole token tile in shared memory, {whole_x} rows a program" if whole_x else ""
     return f"gluon N = {nt}, S = {s}{how}{', released layout' if released else ''}"
 
 
@@ -506,6 +555,7 @@ def _w4a16_name(nt=8, s=4, prefetch=False, stages=0, released=False, cp_async=Fa
 W4A16_VARIANTS = ([dict(nt=nt, s=s, prefetch=pf) for nt in (8, 16) for s in (2, 4, 8) for pf in (False, True)]
                   + [dict(nt=nt, s=s, stages=st, cp_async=True) for nt in (8, 16) for s, st in ((2, 4), (2, 8), (4, 3),
                                                                                                (4, 4), (4, 6))]
+                  + [dict(nt=nt, s=s, whole_x=bm) for nt in (8, 16) for s in (2, 4) for bm in (64, 128)]
                   + [dict(nt=8, s=s, released=True) for s in (2, 4, 8)]
                   + [dict(nt=8, s=s, stages=st, cp_async=True, released=True) for s, st in ((2, 8), (4, 4))]
                   + [dict(nt=8, s=s, stages=st) for s, st in ((2, 6), (4, 4), (4, 6), (8, 3))])
@@ -525,7 +575,8 @@ def w4a16_sass() -> int:
         fn, cex = _w4a16_kernel(**variant)
         kernel = triton.compile(GluonASTSource(fn, _w4a16_signature(cex), cex,
                                                {(i, ): [["tt.divisibility", 16]] for i in range(6)}),
-                                target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+                                target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=(variant.get("whole_x") or 64) // 16))
         sass = _cuda_tool("nvdisasm", kernel.asm["cubin"], ".cubin", "-c")
         ins, labels = [], {}
         for line in sass.splitlines():

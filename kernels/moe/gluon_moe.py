@@ -17,7 +17,7 @@ the operands' roles and register layouts that `tl.dot` chooses itself:
 - A thread's 8 bytes of a block lie in one 32-input scale block (c // 2), applied as bf16 multiplies (exact: powers
   of two).
 
-About 4.2-4.5 SASS instructions a weight in the K loop (triton 3.6, sm_90a). On an H100, the uniform probe
+About 4.5 SASS instructions a weight in the K loop (triton 3.6, sm_90a, K3 widths). On an H100, the uniform probe
 (`benchmarks/gluon_probe.py --w4a16`) ran the gate_up and down products 2.5-2.7x faster than bf16
 `torch._grouped_mm` on the same experts.
 

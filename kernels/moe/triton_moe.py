@@ -353,7 +353,7 @@ def _tiles(block_m, bn, bk, warps, stages, order, down_bn=None):
 
 
 _DEFAULT_CONFIGS = {
-    ("decode", "mxfp4"): _tiles(16, 64, 64, 4, 3, "tile"),
+    ("decode", "mxfp4"): dict(_tiles(16, 64, 64, 4, 3, "tile"), gluon=True),
     ("decode", "dense"): _tiles(16, 128, 128, 8, 4, "expert"),
     ("prefill", "mxfp4"): _tiles(128, 64, 64, 4, 4, "expert", down_bn=128),
     ("prefill", "dense"): _tiles(64, 128, 64, 8, 4, "expert"),
@@ -363,6 +363,10 @@ _DEFAULT_CONFIGS = {
 # at 18.3; MXFP4 11.2 / 23.2 at 9.1 rows, 17.5 / 23.3 at 18.3 (its prefill tiles multiply 128 rows per unpacked
 # weight; its decode tiles unpack every weight once per 16 rows, so they lose further up).
 _DECODE_MAX_ROWS = {"dense": 12, "mxfp4": 24}
+# MXFP4 decode runs on the Gluon kernels (`gluon_moe`) by default on Hopper from this many assignments: below it their
+# grid is a few waves of unpipelined programs and the Triton tiles win (H100, K3 shapes, top-16, nineteenth session:
+# 2 tokens 0.86 vs 0.54 ms, 4 tokens 0.74 vs 0.81, 64 tokens 6.17 vs 7.65).
+_GLUON_MIN_ASSIGNMENTS = 64
 _CONFIG_KEYS = ("block_m", "reduce", "order", "gluon", "gate_up", "down")
 _KERNEL_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "row_tiles", "tma")
 _REDUCES = ("atomic", "sorted")
@@ -457,6 +461,17 @@ def _resolve_config(config, block_m, *, decode: bool, fp4: bool, D: int, I: int)
     return out
 
 
+def _gluon_unavailable(device: torch.device) -> str | None:
+    """Why the Gluon decode kernels cannot run on `device`, or None if they can."""
+    try:
+        from .gluon_moe import gluon_decode_available
+    except ImportError as exc:  # triton without Gluon (older than 3.5)
+        return f"this triton has no Gluon ({exc})"
+    if not gluon_decode_available(device):
+        return f"the Gluon kernels need a compute capability 9.x CUDA device (wgmma), got {device}"
+    return None
+
+
 def _descriptor(t: torch.Tensor, block: list[int]):
     """Host-side TMA descriptor of a 2D row-major tensor (Hopper's bulk tensor copies; the CPU interpreter emulates
     them). TMA needs a 16-byte-aligned base and row stride, so an explicit request that cannot have them raises."""
@@ -487,8 +502,9 @@ def moe_experts_triton(
     order) and `tma` (bool: the dense weights, and down's h, through Hopper TMA descriptors; compute capability
     >= 9.0, the K width a multiple of 8). `row_tiles` is a maximum: a launch covers at most the row tiles an expert
     holds on average (`_launch_row_tiles`). `gluon` (bool): MXFP4 experts at decode sizes run on the Gluon kernels of
-    `gluon_moe` (Hopper only; an explicit True elsewhere, or for bf16 / prefill, raises; tiles and block_m then do
-    not apply). Unknown keys raise ValueError.
+    `gluon_moe` (tiles and block_m then do not apply). By default on Hopper from `_GLUON_MIN_ASSIGNMENTS`
+    assignments, elsewhere the Triton kernels (warning once); an explicit True always uses them and raises where
+    they cannot run (not Hopper, bf16 weights, prefill sizes). Unknown keys raise ValueError.
     """
     fp4 = w13_packed is not None
     if fp4 == (gate_up is not None):
@@ -517,16 +533,16 @@ def moe_experts_triton(
     cfg = _resolve_config(config, block_m, decode=decode, fp4=fp4, D=D, I=I)
     if N == 0:
         return torch.zeros((0, D), device=x.device, dtype=x.dtype)
-    if cfg["gluon"] and fp4 and decode:
-        from .gluon_moe import gluon_decode_available, moe_experts_gluon
+    explicit = "gluon" in (config or {})
+    if cfg["gluon"] and fp4 and decode and (explicit or N * k >= _GLUON_MIN_ASSIGNMENTS):
+        why = _gluon_unavailable(x.device)
+        if why is None:
+            from .gluon_moe import moe_experts_gluon
 
-        if gluon_decode_available(x.device):
             return moe_experts_gluon(x, top_idx, top_w, W1, S1, W2, S2, beta=beta, linear_beta=linear_beta)
-        if "gluon" in (config or {}):
-            raise RuntimeError(f"config['gluon'] = True needs a compute capability 9.x CUDA device (wgmma), got "
-                               f"{x.device}")
-        _warn_once("moe-gluon", "transformers-k3: the Gluon MXFP4 decode kernels need a Hopper GPU; using the Triton "
-                                "kernels")
+        if explicit:
+            raise RuntimeError(f"config['gluon'] = True: {why}")
+        _warn_once("moe-gluon", f"transformers-k3: MXFP4 decode uses the Triton kernels ({why})")
     bm, c1, c2 = cfg["block_m"], cfg["gate_up"], cfg["down"]
     sorted_ids, block_expert, tiles, run_end, run_len = _align(top_idx, E, bm)
     hbuf = torch.empty((tiles * bm, I), device=x.device, dtype=torch.bfloat16)

@@ -75,6 +75,23 @@ def test_k3_widths_and_the_triton_entry_point():
     assert rel_err(got.float(), moe_experts_gluon(x, top_idx, top_w, *w).float()) <= 1e-3
 
 
+@needs_hopper
+def test_default_picks_gluon_from_the_threshold(monkeypatch):
+    """Without a config, MXFP4 decode runs on the Gluon kernels from `_GLUON_MIN_ASSIGNMENTS` assignments, on the
+    Triton kernels below."""
+    import k3_kernels.moe.gluon_moe as gluon_moe
+    from k3_kernels.moe import triton_moe
+
+    calls = []
+    monkeypatch.setattr(gluon_moe, "moe_experts_gluon", lambda *a, **kw: calls.append(1) or a[0])
+    fp4 = _tiny_fp4(E=8)  # decode sizes up to 8 x 24 assignments
+    idx_of = lambda n: torch.zeros(n, 1, dtype=torch.long, device=DEVICE)  # noqa: E731
+    for n in (triton_moe._GLUON_MIN_ASSIGNMENTS - 1, triton_moe._GLUON_MIN_ASSIGNMENTS):
+        x = torch.zeros(n, 64, dtype=torch.bfloat16, device=DEVICE)
+        moe_experts_triton(x, idx_of(n), torch.ones(n, 1, device=DEVICE), **fp4)
+    assert len(calls) == 1
+
+
 def test_tokens_per_tile_and_k_step():
     assert [tokens_per_tile(a, 896) for a in (16, 1024, 896 * 4, 896 * 5, 896 * 12, 896 * 13)] == [8, 8, 8, 16, 16, 32]
     assert [_k_step(k) for k in (3584, 3072, 128, 64, 320)] == [4, 4, 2, 1, 1]
@@ -82,9 +99,9 @@ def test_tokens_per_tile_and_k_step():
         _k_step(96)
 
 
-def _tiny_fp4(D=64, I=64):
+def _tiny_fp4(D=64, I=64, E=2):
     g = torch.Generator().manual_seed(0)
-    w = _experts(2, D, I, g)
+    w = _experts(E, D, I, g)
     return dict(w13_packed=w[0], w13_scale=w[1], w2_packed=w[2], w2_scale=w[3])
 
 

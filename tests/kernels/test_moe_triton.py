@@ -23,6 +23,13 @@ from k3_kernels.moe.triton_moe import (  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.fixture(autouse=True)
+def _triton_kernels_only(monkeypatch):
+    """MXFP4 decode defaults to the Gluon kernels on Hopper (`tests/kernels/test_moe_gluon.py`); here the Triton
+    kernels are under test, on every device."""
+    monkeypatch.setattr("k3_kernels.moe.triton_moe._GLUON_MIN_ASSIGNMENTS", float("inf"))
+
+
 @triton.jit
 def _tile(W, S, OUT, e, N_ROWS, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Expert e's weights read back through the kernel's own MXFP4 product (`_fp4_dot`) with an identity on the left:
