@@ -289,6 +289,31 @@ def _w4a16_unpack_mma(phys, sb, x_tile, acc, BM: gl.constexpr, S: gl.constexpr, 
 
 
 @gluon.jit
+def _w4a16_ptrs(WP, WS, X, R, K, NT: gl.constexpr, BM: gl.constexpr, S: gl.constexpr, PL: gl.constexpr,
+                XL: gl.constexpr):
+    """This program's first K step: weight bytes `[BM, 32 S]` and scales `[BM, 2 S]` (in PL, as stored), tokens
+    `[NT, 64 S]` (in XL); hoisted, so each K step only adds a scalar. Grid (R / BM, E)."""
+    BK: gl.constexpr = 64 * S
+    e = gl.program_id(1).to(gl.int64)
+    rows = gl.program_id(0) * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, PL))
+    p = gl.arange(0, 32 * S, layout=gl.SliceLayout(0, PL))  # physical byte 32 s + 8 c + i of the row's step
+    blocks = gl.arange(0, 2 * S, layout=gl.SliceLayout(0, PL))
+    tok = gl.arange(0, NT, layout=gl.SliceLayout(1, XL))
+    kx = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
+    w_ptr = WP + e * R * (K // 2) + rows[:, None] * (K // 2) + p[None, :]
+    s_ptr = WS + e * R * (K // 32) + rows[:, None] * (K // 32) + blocks[None, :]
+    x_ptr = X + e * NT * K + tok[:, None] * K + kx[None, :]
+    return w_ptr, s_ptr, x_ptr
+
+
+@gluon.jit
+def _w4a16_store(OUT, acc, R, NT: gl.constexpr, BM: gl.constexpr, ACC: gl.constexpr):
+    ro = gl.program_id(0) * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))
+    co = gl.arange(0, NT, layout=gl.SliceLayout(0, ACC))
+    gl.store(OUT + gl.program_id(1).to(gl.int64) * R * NT + ro[:, None] * NT + co[None, :], acc)
+
+
+@gluon.jit
 def _w4a16_grouped(WP, WS, X, OUT, R, K, NT: gl.constexpr, BM: gl.constexpr, S: gl.constexpr,
                    PREFETCH: gl.constexpr, RELEASED: gl.constexpr, ACC: gl.constexpr, PL: gl.constexpr,
                    XL: gl.constexpr, X_SMEM: gl.constexpr):
@@ -299,19 +324,9 @@ def _w4a16_grouped(WP, WS, X, OUT, R, K, NT: gl.constexpr, BM: gl.constexpr, S: 
     unpack (carried in registers across the loop, which costs unpack instructions: bytes carried one a register);
     without it the latency is hidden by the other programs on the SM only."""
     BK: gl.constexpr = 64 * S
-    pid = gl.program_id(0)
-    e = gl.program_id(1).to(gl.int64)
-    rows = pid * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, PL))
-    p = gl.arange(0, 32 * S, layout=gl.SliceLayout(0, PL))  # physical byte 32 s + 8 c + i of the row's step
-    blocks = gl.arange(0, 2 * S, layout=gl.SliceLayout(0, PL))
-    tok = gl.arange(0, NT, layout=gl.SliceLayout(1, XL))
-    kx = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
+    w_ptr, s_ptr, x_ptr = _w4a16_ptrs(WP, WS, X, R, K, NT, BM, S, PL, XL)
     acc = gl.zeros([BM, NT], gl.float32, ACC)
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [NT, BK], X_SMEM)
-    # Row pointers hoisted out of the loop: only a scalar offset is added each K step.
-    w_ptr = WP + e * R * (K // 2) + rows[:, None] * (K // 2) + p[None, :]
-    s_ptr = WS + e * R * (K // 32) + rows[:, None] * (K // 32) + blocks[None, :]
-    x_ptr = X + e * NT * K + tok[:, None] * K + kx[None, :]
     phys = gl.load(w_ptr)
     sb = gl.load(s_ptr)
     xs = gl.load(x_ptr)
@@ -330,9 +345,7 @@ def _w4a16_grouped(WP, WS, X, OUT, R, K, NT: gl.constexpr, BM: gl.constexpr, S: 
         acc = _w4a16_unpack_mma(phys, sb, x_smem, acc, BM, S, ACC, RELEASED)
         if PREFETCH:
             phys, sb, xs = phys_n, sb_n, xs_n
-    ro = pid * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))
-    co = gl.arange(0, NT, layout=gl.SliceLayout(0, ACC))
-    gl.store(OUT + e * R * NT + ro[:, None] * NT + co[None, :], acc)
+    _w4a16_store(OUT, acc, R, NT, BM, ACC)
 
 
 @gluon.jit
@@ -342,28 +355,17 @@ def _w4a16_whole_x(WP, WS, X, OUT, R, K, NT: gl.constexpr, BM: gl.constexpr, S: 
     """`_w4a16_grouped` with the expert's whole token tile `[KSTEPS, NT, 64 S]` put in shared memory once, so the K
     loop has no barrier, store or token load; BM = 64 or 128 (two warpgroups sharing the token tile)."""
     BK: gl.constexpr = 64 * S
-    pid = gl.program_id(0)
-    e = gl.program_id(1).to(gl.int64)
-    rows = pid * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, PL))
-    p = gl.arange(0, 32 * S, layout=gl.SliceLayout(0, PL))
-    blocks = gl.arange(0, 2 * S, layout=gl.SliceLayout(0, PL))
-    tok = gl.arange(0, NT, layout=gl.SliceLayout(1, XL))
-    kx = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
+    w_ptr, s_ptr, x_ptr = _w4a16_ptrs(WP, WS, X, R, K, NT, BM, S, PL, XL)
     x_all = gl.allocate_shared_memory(gl.bfloat16, [KSTEPS, NT, BK], X_SMEM)
-    x_ptr = X + e * NT * K + tok[:, None] * K + kx[None, :]
     for i in range(KSTEPS):
         x_all.index(i).store(gl.load(x_ptr + i * BK))
     fence_async_shared()
     _thread_barrier()
-    w_ptr = WP + e * R * (K // 2) + rows[:, None] * (K // 2) + p[None, :]
-    s_ptr = WS + e * R * (K // 32) + rows[:, None] * (K // 32) + blocks[None, :]
     acc = gl.zeros([BM, NT], gl.float32, ACC)
     for i in range(KSTEPS):
         acc = _w4a16_unpack_mma(gl.load(w_ptr + i * (BK // 2)), gl.load(s_ptr + i * (BK // 32)), x_all.index(i), acc,
                                 BM, S, ACC, False)
-    ro = pid * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))
-    co = gl.arange(0, NT, layout=gl.SliceLayout(0, ACC))
-    gl.store(OUT + e * R * NT + ro[:, None] * NT + co[None, :], acc)
+    _w4a16_store(OUT, acc, R, NT, BM, ACC)
 
 
 @gluon.jit
@@ -409,9 +411,7 @@ def _w4a16_tma(WP, WS, X, OUT, R, K, NT: gl.constexpr, BM: gl.constexpr, S: gl.c
         mbarrier.wait(ready.index(st), (i // STAGES) & 1)
         acc = _w4a16_unpack_mma(w_bufs.index(st).load(PL), sb, x_bufs.index(st), acc, BM, S, ACC, RELEASED)
         sb = sb_n
-    ro = pid * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))
-    co = gl.arange(0, NT, layout=gl.SliceLayout(0, ACC))
-    gl.store(OUT + e.to(gl.int64) * R * NT + ro[:, None] * NT + co[None, :], acc)
+    _w4a16_store(OUT, acc, R, NT, BM, ACC)
 
 
 @gluon.jit
@@ -424,16 +424,7 @@ def _w4a16_cp_async(WP, WS, X, OUT, R, K, NT: gl.constexpr, BM: gl.constexpr, S:
     reads back only the weight bytes it copied; the token tile is shared by the warpgroup's product, hence the
     barrier. The scales are loaded one step ahead into registers. Needs K / (64 S) >= STAGES - 1."""
     BK: gl.constexpr = 64 * S
-    pid = gl.program_id(0)
-    e = gl.program_id(1).to(gl.int64)
-    rows = pid * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, PL))
-    p = gl.arange(0, 32 * S, layout=gl.SliceLayout(0, PL))
-    blocks = gl.arange(0, 2 * S, layout=gl.SliceLayout(0, PL))
-    tok = gl.arange(0, NT, layout=gl.SliceLayout(1, XL))
-    kx = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
-    w_ptr = WP + e * R * (K // 2) + rows[:, None] * (K // 2) + p[None, :]
-    s_ptr = WS + e * R * (K // 32) + rows[:, None] * (K // 32) + blocks[None, :]
-    x_ptr = X + e * NT * K + tok[:, None] * K + kx[None, :]
+    w_ptr, s_ptr, x_ptr = _w4a16_ptrs(WP, WS, X, R, K, NT, BM, S, PL, XL)
     w_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, BM, 32 * S], W_SMEM)
     x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, NT, BK], X_SMEM)
     for q in gl.static_range(STAGES - 1):
@@ -458,9 +449,7 @@ def _w4a16_cp_async(WP, WS, X, OUT, R, K, NT: gl.constexpr, BM: gl.constexpr, S:
         acc = _w4a16_unpack_mma(w_bufs.index(st).load(PL), sb, x_bufs.index(st), acc, BM, S, ACC, RELEASED)
         sb = sb_n
     async_copy.wait_group(0)
-    ro = pid * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))
-    co = gl.arange(0, NT, layout=gl.SliceLayout(0, ACC))
-    gl.store(OUT + e * R * NT + ro[:, None] * NT + co[None, :], acc)
+    _w4a16_store(OUT, acc, R, NT, BM, ACC)
 
 
 def _w4a16_constexprs(nt=8, s=4, prefetch=False, released=False, bm=64):

@@ -18,7 +18,7 @@ the operands' roles and register layouts that `tl.dot` chooses itself:
   of two).
 
 About 4.5 SASS instructions a weight in the K loop (triton 3.6, sm_90a, K3 widths). On an H100, the uniform probe
-(`benchmarks/gluon_probe.py --w4a16`) ran the gate_up and down products 2.5-2.7x faster than bf16
+(`benchmarks/gluon_probe.py --w4a16`) ran the gate_up and down products 2.4-2.7x faster than bf16
 `torch._grouped_mm` on the same experts.
 
 Two kernels, the structure of `triton_moe` (whose `_align` sorts the assignments into expert tiles of NT rows):
