@@ -191,9 +191,9 @@ def _k_step(k: int) -> int:
 
 
 def moe_experts_gluon(x, top_idx, top_w, w13_packed, w13_scale, w2_packed, w2_scale, *, beta: float = 4.0,
-                      linear_beta: float = 25.0, tokens_per_tile_: int | None = None):
+                      linear_beta: float = 25.0, token_slots: int | None = None):
     """x `[N, D]` -> `[N, D]` on MXFP4 experts in the released layout (see `triton_moe.moe_experts_triton`), for
-    decode-sized batches; Hopper only (`gluon_decode_available`). `tokens_per_tile_` overrides NT (8, 16 or 32)."""
+    decode-sized batches; Hopper only (`gluon_decode_available`). `token_slots` overrides NT (8, 16 or 32)."""
     E, two_i, D = w13_packed.shape[0], w13_packed.shape[1], 2 * w13_packed.shape[2]
     I = two_i // 2
     if not gluon_decode_available(x.device):
@@ -201,9 +201,9 @@ def moe_experts_gluon(x, top_idx, top_w, w13_packed, w13_scale, w2_packed, w2_sc
     if D % 64 or I % 64:
         raise ValueError(f"moe_experts_gluon: the latent and expert widths must be multiples of 64, got {D} and {I}")
     N, k = top_idx.shape
-    nt = tokens_per_tile_ or tokens_per_tile(N * k, E)
+    nt = token_slots or tokens_per_tile(N * k, E)
     if nt not in (8, 16, 32):
-        raise ValueError(f"moe_experts_gluon: tokens_per_tile must be 8, 16 or 32, got {nt}")
+        raise ValueError(f"moe_experts_gluon: token_slots must be 8, 16 or 32, got {nt}")
     if N == 0:
         return torch.zeros((0, D), device=x.device, dtype=x.dtype)
     sorted_ids, block_expert, tiles, _, _ = _align(top_idx, E, nt)

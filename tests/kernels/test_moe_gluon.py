@@ -52,7 +52,7 @@ def test_matches_reference(N, E, k, D, I, hot, nt):
     w = _experts(E, D, I, g)
     top_idx, top_w = _routing(N, E, k, g, hot)
     want = moe_experts_mxfp4(x.float(), top_idx, top_w, *w)
-    got = moe_experts_gluon(x, top_idx, top_w, *w, tokens_per_tile_=nt)
+    got = moe_experts_gluon(x, top_idx, top_w, *w, token_slots=nt)
     assert got.dtype == x.dtype and got.shape == x.shape
     assert torch.isfinite(got).all()
     assert rel_err(got.float(), want) <= 1e-2
@@ -116,8 +116,8 @@ def test_bad_requests():
     with pytest.raises(ValueError, match="MXFP4 experts at decode sizes"):
         moe_experts_triton(x, idx, tw, gate_up=gu, down=dn, config={"gluon": True})
     if HOPPER:
-        with pytest.raises(ValueError, match="tokens_per_tile must be 8, 16 or 32"):
-            moe_experts_gluon(x, idx, tw, *fp4.values(), tokens_per_tile_=12)
+        with pytest.raises(ValueError, match="token_slots must be 8, 16 or 32"):
+            moe_experts_gluon(x, idx, tw, *fp4.values(), token_slots=12)
         with pytest.raises(ValueError, match="multiples of 64"):
             moe_experts_gluon(torch.zeros(2, 96, dtype=torch.bfloat16, device=DEVICE), idx, tw,
                               *_tiny_fp4(D=96).values())
