@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from .triton_moe import _align
 
@@ -100,10 +100,10 @@ def _operand_position(n):
 
 
 @gluon.jit
-def _unpack_mma(words, sb, x_tile, acc, S: gl.constexpr, ACC: gl.constexpr, ASYNC: gl.constexpr = False):
+def _unpack_mma(words, sb, x_tile, acc, S: gl.constexpr, ACC: gl.constexpr):
     """One K step of S 64-input blocks: `words` int32 `[64, S, 4, 2]` (row, block, c, word) as `_weight_ptrs` lays
     them out, `sb` `[64, S, 4]` the E8M0 scale of each (row, block, c // 2), the token tile `[NT, 64 S]` (operand
-    order) in shared memory; returns acc + 2^-32 W x^T, `[64, NT]` fp32 (issued only, with ASYNC)."""
+    order) in shared memory; returns acc + 2^-32 W x^T, `[64, NT]` fp32."""
     r = gl.inline_asm_elementwise(_E2M1_WORDS_TO_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words],
                                   dtype=(gl.bfloat16,) * 8, is_pure=True, pack=2)
     # 2^(s - 127 + 126 - 32) as bf16 bits; s >= 161 saturates to inf (bits 0x7F80) instead of wrapping.
@@ -112,8 +112,7 @@ def _unpack_mma(words, sb, x_tile, acc, S: gl.constexpr, ACC: gl.constexpr, ASYN
     w = gl.join(gl.join(gl.join(r[0] * sc, r[1] * sc), gl.join(r[2] * sc, r[3] * sc)),
                 gl.join(gl.join(r[4] * sc, r[5] * sc), gl.join(r[6] * sc, r[7] * sc)))  # [64, S, c, q, h, t0, t1]
     w = gl.reshape(gl.permute(w, (0, 1, 6, 5, 4, 2, 3)), [BM, 64 * S])  # position 16 t + 8 h + 2 c + q of a block
-    return warpgroup_mma(gl.convert_layout(w, gl.DotOperandLayout(0, ACC, 2)), x_tile.permute((1, 0)), acc,
-                         is_async=ASYNC)
+    return warpgroup_mma(gl.convert_layout(w, gl.DotOperandLayout(0, ACC, 2)), x_tile.permute((1, 0)), acc)
 
 
 @gluon.jit
@@ -143,8 +142,8 @@ def _tile_rows(SORTED, tile, num_assign, top_k, NT: gl.constexpr, layout: gl.con
 
 @gluon.jit
 def _gate_up_situ(X, W, WS, H, SORTED, BLOCK_EXPERT, num_assign, top_k, D, I, beta, linear_beta,
-                  NT: gl.constexpr, S: gl.constexpr, ASYNC: gl.constexpr, ACC: gl.constexpr, WL: gl.constexpr,
-                  XL: gl.constexpr, X_SMEM: gl.constexpr):
+                  NT: gl.constexpr, S: gl.constexpr, ACC: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr,
+                  X_SMEM: gl.constexpr):
     """h[tile rows, 64 columns] = SiTU-GLU(x W_gate^T, x W_up^T); grid (I / 64, tiles). W `[E, 2I, D / 2]` (gate
     rows first, then up). h is stored in the operand order of `_down`'s K steps."""
     BK: gl.constexpr = 64 * S
@@ -159,24 +158,12 @@ def _gate_up_situ(X, W, WS, H, SORTED, BLOCK_EXPERT, num_assign, top_k, D, I, be
         x_ptr = X + token[:, None] * D + _operand_inputs(BK, gl.SliceLayout(0, XL))[None, :]
         acc_g = gl.zeros([BM, NT], gl.float32, ACC)
         acc_u = gl.zeros([BM, NT], gl.float32, ACC)
-        if ASYNC:
-            x_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, NT, BK], X_SMEM)
-            for i in range(D // BK):
-                k0 = i * BK
-                xb = x_bufs.index(i % 2)
-                xb.store(gl.load(x_ptr + k0, mask=valid[:, None], other=0.0))
-                fence_async_shared()
-                acc_g = _unpack_mma(gl.load(wg_ptr + k0 // 8), gl.load(sg_ptr + k0 // 32), xb, acc_g, S, ACC, True)
-                acc_u = _unpack_mma(gl.load(wu_ptr + k0 // 8), gl.load(su_ptr + k0 // 32), xb, acc_u, S, ACC, True)
-                acc_g, acc_u = warpgroup_mma_wait(2, deps=[acc_g, acc_u])  # step i - 1's products are done
-            acc_g, acc_u = warpgroup_mma_wait(0, deps=[acc_g, acc_u])
-        else:
-            x_smem = gl.allocate_shared_memory(gl.bfloat16, [NT, BK], X_SMEM)
-            for k0 in range(0, D, BK):
-                x_smem.store(gl.load(x_ptr + k0, mask=valid[:, None], other=0.0))
-                fence_async_shared()
-                acc_g = _unpack_mma(gl.load(wg_ptr + k0 // 8), gl.load(sg_ptr + k0 // 32), x_smem, acc_g, S, ACC)
-                acc_u = _unpack_mma(gl.load(wu_ptr + k0 // 8), gl.load(su_ptr + k0 // 32), x_smem, acc_u, S, ACC)
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [NT, BK], X_SMEM)
+        for k0 in range(0, D, BK):
+            x_smem.store(gl.load(x_ptr + k0, mask=valid[:, None], other=0.0))
+            fence_async_shared()
+            acc_g = _unpack_mma(gl.load(wg_ptr + k0 // 8), gl.load(sg_ptr + k0 // 32), x_smem, acc_g, S, ACC)
+            acc_u = _unpack_mma(gl.load(wu_ptr + k0 // 8), gl.load(su_ptr + k0 // 32), x_smem, acc_u, S, ACC)
         acc_g = acc_g * UNSCALE
         acc_u = acc_u * UNSCALE
         h = beta * _tanh(acc_g / beta) * _sigmoid(acc_g) * (linear_beta * _tanh(acc_u / linear_beta))
@@ -188,8 +175,8 @@ def _gate_up_situ(X, W, WS, H, SORTED, BLOCK_EXPERT, num_assign, top_k, D, I, be
 
 @gluon.jit
 def _down(H, W, WS, OUT, TOPW, SORTED, BLOCK_EXPERT, num_assign, top_k, D, I,
-          NT: gl.constexpr, S: gl.constexpr, ASYNC: gl.constexpr, ACC: gl.constexpr, WL: gl.constexpr,
-          XL: gl.constexpr, X_SMEM: gl.constexpr):
+          NT: gl.constexpr, S: gl.constexpr, ACC: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr,
+          X_SMEM: gl.constexpr):
     """out[token, 64 columns] += routing weight * (h W_down^T); grid (D / 64, tiles). W `[E, D, I / 2]`."""
     BK: gl.constexpr = 64 * S
     d0 = gl.program_id(0) * BM
@@ -200,29 +187,18 @@ def _down(H, W, WS, OUT, TOPW, SORTED, BLOCK_EXPERT, num_assign, top_k, D, I,
         rows = (tile * NT + gl.arange(0, NT, layout=gl.SliceLayout(1, XL))).to(gl.int64)
         h_ptr = H + rows[:, None] * I + gl.arange(0, BK, layout=gl.SliceLayout(0, XL))[None, :]
         acc = gl.zeros([BM, NT], gl.float32, ACC)
-        if ASYNC:
-            h_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, NT, BK], X_SMEM)
-            for i in range(I // BK):
-                k0 = i * BK
-                hb = h_bufs.index(i % 2)
-                hb.store(gl.load(h_ptr + k0))
-                fence_async_shared()
-                acc = _unpack_mma(gl.load(w_ptr + k0 // 8), gl.load(s_ptr + k0 // 32), hb, acc, S, ACC, True)
-                acc = warpgroup_mma_wait(1, deps=[acc])
-            acc = warpgroup_mma_wait(0, deps=[acc])
-        else:
-            h_smem = gl.allocate_shared_memory(gl.bfloat16, [NT, BK], X_SMEM)
-            for k0 in range(0, I, BK):
-                h_smem.store(gl.load(h_ptr + k0))  # pad rows of a tile hold finite values and get no output
-                fence_async_shared()
-                acc = _unpack_mma(gl.load(w_ptr + k0 // 8), gl.load(s_ptr + k0 // 32), h_smem, acc, S, ACC)
+        h_smem = gl.allocate_shared_memory(gl.bfloat16, [NT, BK], X_SMEM)
+        for k0 in range(0, I, BK):
+            h_smem.store(gl.load(h_ptr + k0))  # pad rows of a tile hold finite values and get no output
+            fence_async_shared()
+            acc = _unpack_mma(gl.load(w_ptr + k0 // 8), gl.load(s_ptr + k0 // 32), h_smem, acc, S, ACC)
         assign, valid, token = _tile_rows(SORTED, tile, num_assign, top_k, NT, gl.SliceLayout(0, ACC))
         wt = gl.load(TOPW + assign, mask=valid, other=0.0) * UNSCALE
         d = d0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))
         gl.atomic_add(OUT + token[None, :] * D + d[:, None], acc * wt[None, :], mask=valid[None, :])
 
 
-def _constexprs(nt: int, s: int, asynchronous: bool = False) -> dict:
+def _constexprs(nt: int, s: int) -> dict:
     acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, nt, 16])
     # Words `[64 rows, S blocks, 4 (c), 2]` as stored: a thread holds words 2c, 2c + 1 of each block of rows r and
     # r + 8, c = lane % 4, r = 16 warp + lane / 4 (wgmma's operand rows); the word pair in consecutive registers.
@@ -231,7 +207,7 @@ def _constexprs(nt: int, s: int, asynchronous: bool = False) -> dict:
                                     lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
                                     warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[BM, s, 4, 2])
     cols = min(32, 8 * s)  # threads along K of the token tile, 8 inputs each
-    return dict(NT=nt, S=s, ASYNC=asynchronous, ACC=acc, WL=wl, XL=gl.BlockedLayout([1, 8], [32 // cols, cols], [4, 1], [1, 0]),
+    return dict(NT=nt, S=s, ACC=acc, WL=wl, XL=gl.BlockedLayout([1, 8], [32 // cols, cols], [4, 1], [1, 0]),
                 X_SMEM=gl.NVMMASharedLayout.get_default_for([nt, 64 * s], gl.bfloat16))
 
 
@@ -256,8 +232,7 @@ def _k_step(k: int) -> int:
 
 
 def moe_experts_gluon(x, top_idx, top_w, w13_packed, w13_scale, w2_packed, w2_scale, *, beta: float = 4.0,
-                      linear_beta: float = 25.0, token_slots: int | None = None, k_step: int | None = None,
-                      asynchronous: bool = False):
+                      linear_beta: float = 25.0, token_slots: int | None = None, k_step: int | None = None):
     """x `[N, D]` -> `[N, D]` on MXFP4 experts in the released layout (see `triton_moe.moe_experts_triton`), for
     decode-sized batches; Hopper only (`gluon_decode_available`). `token_slots` overrides NT (8, 16 or 32), `k_step`
     the 64-input blocks of a K step (1, 2 or 4, dividing both widths)."""
@@ -281,7 +256,7 @@ def moe_experts_gluon(x, top_idx, top_w, w13_packed, w13_scale, w2_packed, w2_sc
     xb = x.to(torch.bfloat16).contiguous()
     s1, s2 = k_step or _k_step(D), k_step or _k_step(I)
     _gate_up_situ[(I // BM, tiles)](xb, w13_packed, w13_scale, hbuf, sorted_ids, block_expert, N * k, k, D, I,
-                                    beta, linear_beta, **_constexprs(nt, s1, asynchronous), num_warps=4)
+                                    beta, linear_beta, **_constexprs(nt, s1), num_warps=4)
     _down[(D // BM, tiles)](hbuf, w2_packed, w2_scale, out, top_w.reshape(-1).float().contiguous(), sorted_ids,
-                            block_expert, N * k, k, D, I, **_constexprs(nt, s2, asynchronous), num_warps=4)
+                            block_expert, N * k, k, D, I, **_constexprs(nt, s2), num_warps=4)
     return out.to(x.dtype)
