@@ -7,19 +7,24 @@ the operands' roles and register layouts that `tl.dot` chooses itself:
 
 - The weights are wgmma's left operand, 64 rows a warpgroup, taken from registers; the expert's tokens (at most
   NT = 8, 16 or 32 of them, zero-padded) are the right operand, from shared memory. Nothing is padded to 64 rows.
-- The packed bytes are loaded straight into the left operand's register layout: a thread loads 8 consecutive bytes
-  of each 32-byte block of its two rows (one 8-byte load), and `gl.fp4_to_fp` turns them into bf16 in place.
-- Those bytes are not the ones wgmma's layout assigns to the thread (it wants bytes c + 4 i, i = 0..7, of a block,
-  c = lane % 4), so the operand's K order is a permutation of the inputs: position 2 (4 i + c) + h of each 64-input
-  block holds input 2 (8 c + i) + h. A dot product does not care about the order of its terms, so the token side is
-  loaded in the same permuted order (`_operand_inputs`) and the released layout is used as it is: no repacked copy
-  of 2.8T weights, and `save_pretrained` has nothing to undo.
-- A thread's 8 bytes of a block lie in one 32-input scale block (c // 2), applied as bf16 multiplies (exact: powers
-  of two).
+- The packed weights are loaded as int32 words straight into the left operand's rows: of each 32-byte block (64
+  inputs) of its rows r and r + 8, the thread with c = lane % 4 loads words 2c and 2c + 1 (one 8-byte load), 16
+  nibbles, and turns them into the 16 bf16 values that wgmma's layout gives it (`_E2M1_WORDS_TO_BF16`, PTX).
+- The conversion places bits instead of looking codes up: a nibble's exponent and mantissa bits (e1 e0 m) go to bf16
+  bits 8..6 and its sign to bit 15. That bf16 is the E2M1 value times 2^-126 for every code (the codes 0 and 0.5
+  land on bf16 subnormals, exactly), so one bf16 multiply by 2^(s - 127 + 126) applies the E8M0 scale s as well.
+  Output register o of a word pair holds nibbles j and j + 4 of word o // 4 (j = o % 4): 16 bits apart, so both
+  halves need the same shifts. About 2 instructions a weight; `gl.fp4_to_fp`'s lookups took about 3.
+- So the operand's K order is a permutation of the inputs (`_operand_inputs`): position 16 t + 8 h + 2 c + q of each
+  64-input block holds input 16 c + 8 (o // 4) + 4 q + o % 4, o = 2 t + h. A dot product does not care about the
+  order of its terms, so the token side is loaded in the same order and the released layout is read as it is: no
+  repacked copy of 2.8T weights, and `save_pretrained` has nothing to undo.
+- A thread's 16 values of a block lie in one 32-input scale block (c // 2). The multiplier is kept in bf16 range by
+  a constant 2^-32, taken back on the fp32 accumulator: scales up to 2^33 are exact (far above trained weights);
+  a larger one gives inf, not a wrong finite value.
 
-About 4.5 SASS instructions a weight in the K loop (triton 3.6, sm_90a, K3 widths). On an H100, the uniform probe
-(`benchmarks/gluon_probe.py --w4a16`) ran the gate_up and down products 2.4-2.7x faster than bf16
-`torch._grouped_mm` on the same experts.
+About 3.1 SASS instructions a weight in the K loop (triton 3.6, sm_90a, K3 widths), against 4.5 with
+`gl.fp4_to_fp` and 6.5-7.3 with `tl.dot_scaled`.
 
 Two kernels, the structure of `triton_moe` (whose `_align` sorts the assignments into expert tiles of NT rows):
 `_gate_up_situ` writes `h = SiTU-GLU(gate, up)` for 64 intermediate columns of a tile's tokens, stored in the
@@ -40,6 +45,29 @@ from .triton_moe import _align
 __all__ = ["gluon_decode_available", "moe_experts_gluon", "tokens_per_tile"]
 
 BM = gl.constexpr(64)  # weight rows a program: one warpgroup's wgmma M
+UNSCALE = gl.constexpr(4294967296.0)  # 2^32: the accumulator's factor back (see the module doc)
+
+# Words $8, $9 (16 nibbles) -> 8 bf16 pairs: $o = nibbles j, j + 4 of word o // 4, j = o % 4, as bf16 bits: the
+# nibble's low three bits shifted to bits 8..6 (and 24..22), its sign to bit 15 (and 31). lop3 0xEA: (a & b) | c.
+_E2M1_WORDS_TO_BF16 = gl.constexpr("""
+{
+.reg .b32 m<8>, s<8>;
+shl.b32 m0, $8, 6;  shl.b32 s0, $8, 12;
+shl.b32 m1, $8, 2;  shl.b32 s1, $8, 8;
+shr.u32 m2, $8, 2;  shl.b32 s2, $8, 4;
+shr.u32 m3, $8, 6;
+shl.b32 m4, $9, 6;  shl.b32 s4, $9, 12;
+shl.b32 m5, $9, 2;  shl.b32 s5, $9, 8;
+shr.u32 m6, $9, 2;  shl.b32 s6, $9, 4;
+shr.u32 m7, $9, 6;
+and.b32 s0, s0, 0x80008000; and.b32 s1, s1, 0x80008000; and.b32 s2, s2, 0x80008000; and.b32 s3, $8, 0x80008000;
+and.b32 s4, s4, 0x80008000; and.b32 s5, s5, 0x80008000; and.b32 s6, s6, 0x80008000; and.b32 s7, $9, 0x80008000;
+lop3.b32 $0, m0, 0x01C001C0, s0, 0xEA; lop3.b32 $1, m1, 0x01C001C0, s1, 0xEA;
+lop3.b32 $2, m2, 0x01C001C0, s2, 0xEA; lop3.b32 $3, m3, 0x01C001C0, s3, 0xEA;
+lop3.b32 $4, m4, 0x01C001C0, s4, 0xEA; lop3.b32 $5, m5, 0x01C001C0, s5, 0xEA;
+lop3.b32 $6, m6, 0x01C001C0, s6, 0xEA; lop3.b32 $7, m7, 0x01C001C0, s7, 0xEA;
+}
+""")
 
 
 @gluon.jit
@@ -54,39 +82,53 @@ def _tanh(x):
 
 @gluon.jit
 def _operand_inputs(BK: gl.constexpr, layout: gl.constexpr):
-    """The input index held at each of the BK operand positions of a K step (see the module doc):
-    position 64 b + 2 (4 i + c) + h holds input 64 b + 2 (8 c + i) + h."""
-    kop = gl.arange(0, BK, layout=layout)
-    j = (kop % 64) // 2
-    return kop - kop % 64 + 2 * (8 * (j % 4) + j // 4) + kop % 2
+    """The input index held at each of the BK operand positions of a K step (see the module doc): position
+    64 b + 16 t + 8 h + 2 c + q holds input 64 b + 16 c + 8 (o // 4) + 4 q + o % 4, o = 2 t + h."""
+    P = gl.arange(0, BK, layout=layout)
+    p = P % 64
+    o = 2 * (p // 16) + (p // 8) % 2
+    return P - p + 16 * ((p // 2) % 4) + 8 * (o // 4) + 4 * (p % 2) + o % 4
 
 
 @gluon.jit
-def _unpack_mma(phys, sb, x_tile, acc, S: gl.constexpr, ACC: gl.constexpr):
-    """One K step of S 64-input blocks: `phys` [64, 32 S] packed bytes as stored, `sb` [64, 2 S] E8M0 scales, the
-    token tile [NT, 64 S] (operand order) in shared memory; returns acc + W x^T, `[64, NT]` fp32."""
-    # A thread's 8 bytes of a block, read as the operand's bytes 4 i + c: a change of view, no data moves.
-    wp = gl.reshape(gl.permute(gl.reshape(phys, [BM, S, 4, 8]), (0, 1, 3, 2)), [BM, 32 * S])
-    w = gl.fp4_to_fp(gl.convert_layout(wp, gl.DotOperandLayout(0, ACC, 1)), gl.bfloat16, axis=1)  # [64, 64 S]
-    sc = (sb.to(gl.int16) << 7).to(gl.bfloat16, bitcast=True)  # 2 ** (byte - 127), exact in bf16 for byte >= 1
-    w6 = gl.reshape(w, [BM, S, 8, 2, 2, 2])  # (row, block, i, c // 2, c % 2, nibble): scale block c // 2
-    L6: gl.constexpr = w6.type.layout
-    sc6 = gl.convert_layout(gl.reshape(sc, [BM, S, 2]), gl.SliceLayout(2, gl.SliceLayout(4, gl.SliceLayout(5, L6))))
-    sc6 = gl.expand_dims(gl.expand_dims(gl.expand_dims(sc6, 2), 4), 5)
-    w = gl.reshape(w6 * sc6, [BM, 64 * S])
+def _operand_position(n):
+    """The inverse of `_operand_inputs`: where input n sits in the operand order."""
+    p = n % 64
+    r = p % 16
+    o = 4 * (r // 8) + r % 4
+    return n - p + 16 * (o // 2) + 8 * (o % 2) + 2 * (p // 16) + (r % 8) // 4
+
+
+@gluon.jit
+def _unpack_mma(words, sb, x_tile, acc, S: gl.constexpr, ACC: gl.constexpr):
+    """One K step of S 64-input blocks: `words` int32 `[64, S, 4, 2]` (row, block, c, word) as `_weight_ptrs` lays
+    them out, `sb` `[64, S, 4]` the E8M0 scale of each (row, block, c // 2), the token tile `[NT, 64 S]` (operand
+    order) in shared memory; returns acc + 2^-32 W x^T, `[64, NT]` fp32."""
+    r = gl.inline_asm_elementwise(_E2M1_WORDS_TO_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words],
+                                  dtype=(gl.bfloat16,) * 8, is_pure=True, pack=2)
+    # 2^(s - 127 + 126 - 32) as bf16 bits; s >= 161 saturates to inf (bits 0x7F80) instead of wrapping.
+    sc = ((gl.minimum(sb.to(gl.int32), 161) + 94) << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
+    sc = gl.expand_dims(sc, 3)
+    w = gl.join(gl.join(gl.join(r[0] * sc, r[1] * sc), gl.join(r[2] * sc, r[3] * sc)),
+                gl.join(gl.join(r[4] * sc, r[5] * sc), gl.join(r[6] * sc, r[7] * sc)))  # [64, S, c, q, h, t0, t1]
+    w = gl.reshape(gl.permute(w, (0, 1, 6, 5, 4, 2, 3)), [BM, 64 * S])  # position 16 t + 8 h + 2 c + q of a block
     return warpgroup_mma(gl.convert_layout(w, gl.DotOperandLayout(0, ACC, 2)), x_tile.permute((1, 0)), acc)
 
 
 @gluon.jit
-def _weight_ptrs(W, WS, e, row0, K, S: gl.constexpr, PL: gl.constexpr):
-    """Pointers to the first K step of 64 weight rows from row0 of expert e (packed `[E, R, K / 2]`, scales
-    `[E, R, K / 32]`, R = num_programs(0) * 64 rows, hoisted: each K step only adds a scalar)."""
+def _weight_ptrs(W, WS, e, row0, K, S: gl.constexpr, WL: gl.constexpr):
+    """Pointers to the first K step of 64 weight rows from row0 of expert e (packed `[E, R, K / 2]` bytes, read as
+    int32 words `[64, S, 4, 2]`; scales `[E, R, K / 32]`, read as `[64, S, 4]`), R = num_programs(0) * 64 rows;
+    hoisted, so each K step only adds a scalar."""
     R = gl.num_programs(0) * BM
-    rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, PL))
-    p = gl.arange(0, 32 * S, layout=gl.SliceLayout(0, PL))
-    blocks = gl.arange(0, 2 * S, layout=gl.SliceLayout(0, PL))
-    w_ptr = W + e * R * (K // 2) + rows[:, None] * (K // 2) + p[None, :]
-    s_ptr = WS + e * R * (K // 32) + rows[:, None] * (K // 32) + blocks[None, :]
+    L3: gl.constexpr = gl.SliceLayout(3, WL)
+    r = gl.expand_dims(gl.expand_dims(row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3))), 1), 2)
+    b = gl.expand_dims(gl.expand_dims(gl.arange(0, S, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3))), 0), 2)
+    c = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3))), 0), 1)
+    q = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WL))))
+    words = e * R * (K // 8) + r * (K // 8) + b * 8 + c * 2  # [64, S, 4]: K / 8 words a row, 8 a block
+    w_ptr = W.to(gl.pointer_type(gl.int32)) + gl.expand_dims(words, 3) + q[None, None, None, :]
+    s_ptr = WS + e * R * (K // 32) + r * (K // 32) + b * 2 + c // 2
     return w_ptr, s_ptr
 
 
@@ -100,7 +142,7 @@ def _tile_rows(SORTED, tile, num_assign, top_k, NT: gl.constexpr, layout: gl.con
 
 @gluon.jit
 def _gate_up_situ(X, W, WS, H, SORTED, BLOCK_EXPERT, num_assign, top_k, D, I, beta, linear_beta,
-                  NT: gl.constexpr, S: gl.constexpr, ACC: gl.constexpr, PL: gl.constexpr, XL: gl.constexpr,
+                  NT: gl.constexpr, S: gl.constexpr, ACC: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr,
                   X_SMEM: gl.constexpr):
     """h[tile rows, 64 columns] = SiTU-GLU(x W_gate^T, x W_up^T); grid (I / 64, tiles). W `[E, 2I, D / 2]` (gate
     rows first, then up). h is stored in the operand order of `_down`'s K steps."""
@@ -110,31 +152,30 @@ def _gate_up_situ(X, W, WS, H, SORTED, BLOCK_EXPERT, num_assign, top_k, D, I, be
     e = gl.load(BLOCK_EXPERT + tile)
     if e >= 0:  # spare tiles of `_align`'s bound have no expert
         e64 = e.to(gl.int64)
-        wg_ptr, sg_ptr = _weight_ptrs(W, WS, e64 * 2, n0, D, S, PL)  # expert e's 2I rows: 2 e "experts" of I
-        wu_ptr, su_ptr = _weight_ptrs(W, WS, e64 * 2 + 1, n0, D, S, PL)
+        wg_ptr, sg_ptr = _weight_ptrs(W, WS, e64 * 2, n0, D, S, WL)  # expert e's 2I rows: 2 e "experts" of I
+        wu_ptr, su_ptr = _weight_ptrs(W, WS, e64 * 2 + 1, n0, D, S, WL)
         assign, valid, token = _tile_rows(SORTED, tile, num_assign, top_k, NT, gl.SliceLayout(1, XL))
         x_ptr = X + token[:, None] * D + _operand_inputs(BK, gl.SliceLayout(0, XL))[None, :]
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [NT, BK], X_SMEM)
         acc_g = gl.zeros([BM, NT], gl.float32, ACC)
         acc_u = gl.zeros([BM, NT], gl.float32, ACC)
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [NT, BK], X_SMEM)
         for k0 in range(0, D, BK):
             x_smem.store(gl.load(x_ptr + k0, mask=valid[:, None], other=0.0))
             fence_async_shared()
-            acc_g = _unpack_mma(gl.load(wg_ptr + k0 // 2), gl.load(sg_ptr + k0 // 32), x_smem, acc_g, S, ACC)
-            acc_u = _unpack_mma(gl.load(wu_ptr + k0 // 2), gl.load(su_ptr + k0 // 32), x_smem, acc_u, S, ACC)
+            acc_g = _unpack_mma(gl.load(wg_ptr + k0 // 8), gl.load(sg_ptr + k0 // 32), x_smem, acc_g, S, ACC)
+            acc_u = _unpack_mma(gl.load(wu_ptr + k0 // 8), gl.load(su_ptr + k0 // 32), x_smem, acc_u, S, ACC)
+        acc_g = acc_g * UNSCALE
+        acc_u = acc_u * UNSCALE
         h = beta * _tanh(acc_g / beta) * _sigmoid(acc_g) * (linear_beta * _tanh(acc_u / linear_beta))
-        # Column n of h goes where `_down` reads input n: operand position 64 b + 2 (4 i + c) + nib for
-        # n = 64 b + 2 (8 c + i) + nib.
-        n = n0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))
-        m = (n % 64) // 2
-        q = n - n % 64 + 2 * (4 * (m % 8) + m // 8) + n % 2
+        # Column n of h goes where `_down` reads input n: its operand position.
+        q = _operand_position(n0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ACC)))
         rows = (tile * NT + gl.arange(0, NT, layout=gl.SliceLayout(0, ACC))).to(gl.int64)
         gl.store(H + rows[None, :] * I + q[:, None], h.to(gl.bfloat16))
 
 
 @gluon.jit
 def _down(H, W, WS, OUT, TOPW, SORTED, BLOCK_EXPERT, num_assign, top_k, D, I,
-          NT: gl.constexpr, S: gl.constexpr, ACC: gl.constexpr, PL: gl.constexpr, XL: gl.constexpr,
+          NT: gl.constexpr, S: gl.constexpr, ACC: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr,
           X_SMEM: gl.constexpr):
     """out[token, 64 columns] += routing weight * (h W_down^T); grid (D / 64, tiles). W `[E, D, I / 2]`."""
     BK: gl.constexpr = 64 * S
@@ -142,31 +183,31 @@ def _down(H, W, WS, OUT, TOPW, SORTED, BLOCK_EXPERT, num_assign, top_k, D, I,
     tile = gl.program_id(1)
     e = gl.load(BLOCK_EXPERT + tile)
     if e >= 0:
-        w_ptr, s_ptr = _weight_ptrs(W, WS, e.to(gl.int64), d0, I, S, PL)
+        w_ptr, s_ptr = _weight_ptrs(W, WS, e.to(gl.int64), d0, I, S, WL)
         rows = (tile * NT + gl.arange(0, NT, layout=gl.SliceLayout(1, XL))).to(gl.int64)
         h_ptr = H + rows[:, None] * I + gl.arange(0, BK, layout=gl.SliceLayout(0, XL))[None, :]
-        h_smem = gl.allocate_shared_memory(gl.bfloat16, [NT, BK], X_SMEM)
         acc = gl.zeros([BM, NT], gl.float32, ACC)
+        h_smem = gl.allocate_shared_memory(gl.bfloat16, [NT, BK], X_SMEM)
         for k0 in range(0, I, BK):
             h_smem.store(gl.load(h_ptr + k0))  # pad rows of a tile hold finite values and get no output
             fence_async_shared()
-            acc = _unpack_mma(gl.load(w_ptr + k0 // 2), gl.load(s_ptr + k0 // 32), h_smem, acc, S, ACC)
+            acc = _unpack_mma(gl.load(w_ptr + k0 // 8), gl.load(s_ptr + k0 // 32), h_smem, acc, S, ACC)
         assign, valid, token = _tile_rows(SORTED, tile, num_assign, top_k, NT, gl.SliceLayout(0, ACC))
-        wt = gl.load(TOPW + assign, mask=valid, other=0.0)
+        wt = gl.load(TOPW + assign, mask=valid, other=0.0) * UNSCALE
         d = d0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))
         gl.atomic_add(OUT + token[None, :] * D + d[:, None], acc * wt[None, :], mask=valid[None, :])
 
 
 def _constexprs(nt: int, s: int) -> dict:
     acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, nt, 16])
-    # [64 rows, 32 S bytes] as stored: a thread holds bytes 32 s + 8 c + i (i = 0..7, contiguous) of rows r and
-    # r + 8, c = lane % 4, r = 16 warp + lane / 4: the rows and K pairs of wgmma's register operand.
-    steps = [[0, 32 << j] for j in range(s.bit_length() - 1)]
-    pl = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]] + steps,
-                                    lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-                                    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BM, 32 * s])
+    # Words `[64 rows, S blocks, 4 (c), 2]` as stored: a thread holds words 2c, 2c + 1 of each block of rows r and
+    # r + 8, c = lane % 4, r = 16 warp + lane / 4 (wgmma's operand rows); the word pair in consecutive registers.
+    steps = [[0, 1 << j, 0, 0] for j in range(s.bit_length() - 1)]
+    wl = gl.DistributedLinearLayout(reg_bases=[[0, 0, 0, 1], [8, 0, 0, 0]] + steps,
+                                    lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+                                    warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[BM, s, 4, 2])
     cols = min(32, 8 * s)  # threads along K of the token tile, 8 inputs each
-    return dict(NT=nt, S=s, ACC=acc, PL=pl, XL=gl.BlockedLayout([1, 8], [32 // cols, cols], [4, 1], [1, 0]),
+    return dict(NT=nt, S=s, ACC=acc, WL=wl, XL=gl.BlockedLayout([1, 8], [32 // cols, cols], [4, 1], [1, 0]),
                 X_SMEM=gl.NVMMASharedLayout.get_default_for([nt, 64 * s], gl.bfloat16))
 
 
@@ -191,9 +232,10 @@ def _k_step(k: int) -> int:
 
 
 def moe_experts_gluon(x, top_idx, top_w, w13_packed, w13_scale, w2_packed, w2_scale, *, beta: float = 4.0,
-                      linear_beta: float = 25.0, token_slots: int | None = None):
+                      linear_beta: float = 25.0, token_slots: int | None = None, k_step: int | None = None):
     """x `[N, D]` -> `[N, D]` on MXFP4 experts in the released layout (see `triton_moe.moe_experts_triton`), for
-    decode-sized batches; Hopper only (`gluon_decode_available`). `token_slots` overrides NT (8, 16 or 32)."""
+    decode-sized batches; Hopper only (`gluon_decode_available`). `token_slots` overrides NT (8, 16 or 32), `k_step`
+    the 64-input blocks of a K step (1, 2 or 4, dividing both widths)."""
     E, two_i, D = w13_packed.shape[0], w13_packed.shape[1], 2 * w13_packed.shape[2]
     I = two_i // 2
     if not gluon_decode_available(x.device):
@@ -204,13 +246,15 @@ def moe_experts_gluon(x, top_idx, top_w, w13_packed, w13_scale, w2_packed, w2_sc
     nt = token_slots or tokens_per_tile(N * k, E)
     if nt not in (8, 16, 32):
         raise ValueError(f"moe_experts_gluon: token_slots must be 8, 16 or 32, got {nt}")
+    if k_step is not None and (k_step not in (1, 2, 4) or D % (64 * k_step) or I % (64 * k_step)):
+        raise ValueError(f"moe_experts_gluon: k_step must be 1, 2 or 4 and divide {D // 64} and {I // 64}, got {k_step}")
     if N == 0:
         return torch.zeros((0, D), device=x.device, dtype=x.dtype)
     sorted_ids, block_expert, tiles, _, _ = _align(top_idx, E, nt)
     hbuf = torch.empty((tiles * nt, I), device=x.device, dtype=torch.bfloat16)
     out = torch.zeros((N, D), device=x.device, dtype=torch.float32)
     xb = x.to(torch.bfloat16).contiguous()
-    s1, s2 = _k_step(D), _k_step(I)
+    s1, s2 = k_step or _k_step(D), k_step or _k_step(I)
     _gate_up_situ[(I // BM, tiles)](xb, w13_packed, w13_scale, hbuf, sorted_ids, block_expert, N * k, k, D, I,
                                     beta, linear_beta, **_constexprs(nt, s1), num_warps=4)
     _down[(D // BM, tiles)](hbuf, w2_packed, w2_scale, out, top_w.reshape(-1).float().contiguous(), sorted_ids,

@@ -59,6 +59,40 @@ def test_matches_reference(N, E, k, D, I, hot, nt):
 
 
 @needs_hopper
+@pytest.mark.parametrize("k_step", [1, 2, 4])
+def test_k_step_override(k_step):
+    """Every K-step width over several steps (D = 512, I = 256), with hot experts over several tiles."""
+    N, E, k, D, I = 40, 6, 3, 512, 256
+    g = torch.Generator().manual_seed(k_step)
+    x = torch.randn(N, D, generator=g).bfloat16().to(DEVICE)
+    w = _experts(E, D, I, g)
+    top_idx, top_w = _routing(N, E, k, g, hot=0.5)
+    got = moe_experts_gluon(x, top_idx, top_w, *w, k_step=k_step)
+    assert rel_err(got.float(), moe_experts_mxfp4(x.float(), top_idx, top_w, *w)) <= 1e-2
+
+
+@needs_hopper
+def test_scale_range():
+    """The unpack's bf16 multiplier 2^(s - 33) covers E8M0 bytes 34..160 exactly (weights of 2^-93 .. 2^33 scale);
+    a byte of 161 or more gives non-finite output, not a wrong finite one."""
+    N, E, k, D, I = 9, 4, 2, 128, 128
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(N, D, generator=g).bfloat16().to(DEVICE)
+    w13p, _, w2p, _ = _experts(E, D, I, g)
+    w13s = torch.randint(34, 161, (E, 2 * I, D // 32), generator=g, dtype=torch.uint8).to(DEVICE)
+    w2s = torch.randint(34, 161, (E, D, I // 32), generator=g, dtype=torch.uint8).to(DEVICE)
+    w13s[..., 0], w2s[..., 0] = 34, 160  # both ends in every row
+    top_idx, top_w = _routing(N, E, k, g)
+    w = (w13p, w13s, w2p, w2s)
+    got = moe_experts_gluon(x, top_idx, top_w, *w).float()
+    want = moe_experts_mxfp4(x.float(), top_idx, top_w, *w)
+    assert torch.isfinite(want).all() and rel_err(got, want) <= 1e-2
+    w2s[:, 5, 1] = 161  # one block of the down weights out of range: its output column is not finite
+    got = moe_experts_gluon(x, top_idx, top_w, w13p, w13s, w2p, w2s)
+    assert not torch.isfinite(got[:, 5]).all()
+
+
+@needs_hopper
 def test_k3_widths_and_the_triton_entry_point():
     """K3's latent and expert widths (3584, 3072: S = 4 for both), through `moe_experts_triton(config=...)`, which
     must give exactly what the Gluon function gives; the Triton kernels agree to the tolerance."""
@@ -118,6 +152,8 @@ def test_bad_requests():
     if HOPPER:
         with pytest.raises(ValueError, match="token_slots must be 8, 16 or 32"):
             moe_experts_gluon(x, idx, tw, *fp4.values(), token_slots=12)
+        with pytest.raises(ValueError, match="k_step must be 1, 2 or 4"):
+            moe_experts_gluon(x, idx, tw, *fp4.values(), k_step=2)  # 64 wide: only S = 1 divides
         with pytest.raises(ValueError, match="multiples of 64"):
             moe_experts_gluon(torch.zeros(2, 96, dtype=torch.bfloat16, device=DEVICE), idx, tw,
                               *_tiny_fp4(D=96).values())
