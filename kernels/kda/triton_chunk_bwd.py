@@ -109,8 +109,8 @@ import triton
 import triton.language as tl
 
 from . import reference as _ref
-from .triton_chunk import (_beta_of, _bias_cols, _chunk_of, _ks_sub, _mm64, _recompute_for_backward, _rows_of,
-                           _seq_of, _state_tile, check_gate_args)
+from .triton_chunk import (_beta_of, _bias_cols, _chunk_of, _exp, _ks_sub, _mm64, _recompute_for_backward, _rows_of,
+                           _seq_of, _sigmoid, _state_tile, check_gate_args)
 
 __all__ = ["chunk_kda_bwd"]
 
@@ -132,7 +132,7 @@ def _gate_params(A_log, dt_bias, i_h, K: tl.constexpr, USE_GATE: tl.constexpr):
     a_h = 0.0
     bias = tl.zeros([K], dtype=tl.float32)
     if USE_GATE:
-        a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        a_h = _exp(tl.load(A_log + i_h).to(tl.float32))
         bias = tl.load(dt_bias + i_h * K + tl.arange(0, K)).to(tl.float32)
     return a_h, bias
 
@@ -160,16 +160,16 @@ def _load_chunk_qkg(q, k, g, beta, rows, m_t, i_h, scale, a_h, bias, lower_bound
         b_k = b_k * rk[:, None]
     b_g = tl.load(g + p_qk, mask=m_qk, other=0.0).to(tl.float32)
     if USE_GATE:
-        b_g = tl.where(m_qk, lower_bound * tl.sigmoid(a_h * (b_g + bias[None, :])), 0.0)
+        b_g = tl.where(m_qk, lower_bound * _sigmoid(a_h * (b_g + bias[None, :])), 0.0)
     b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     if USE_BSIG:
-        b_beta = tl.where(m_t, tl.sigmoid(b_beta), 0.0)
+        b_beta = tl.where(m_t, _sigmoid(b_beta), 0.0)
     gc = tl.cumsum(b_g, axis=0)  # [BT, K] in (-80, 0]
     g_last = tl.sum(tl.where(o_t[:, None] == BT - 1, gc, 0.0), axis=0)  # [K]
-    kg = b_k * tl.exp(gc)
-    kn = b_k * tl.exp(-gc)
-    qg = b_q * scale * tl.exp(gc)
-    kd = b_k * tl.exp(g_last[None, :] - gc)
+    kg = b_k * _exp(gc)
+    kn = b_k * _exp(-gc)
+    qg = b_q * scale * _exp(gc)
+    kd = b_k * _exp(g_last[None, :] - gc)
     return b_q, b_k, b_beta, gc, g_last, kg, kn, qg, kd, rq, rk
 
 
@@ -213,7 +213,7 @@ def _bwd_prep_kernel(
     tl.store(kd_buf + p_qk, kd, mask=m_t[:, None])
     tl.store(qg_buf + p_qk, qg, mask=m_t[:, None])
     tl.store(b_buf + rows * H + i_h, b_beta, mask=m_t)
-    tl.store(gl_buf + (i_c.to(tl.int64) * H + i_h) * K + o_k, tl.exp(g_last))
+    tl.store(gl_buf + (i_c.to(tl.int64) * H + i_h) * K + o_k, _exp(g_last))
 
 
 @triton.jit
@@ -237,7 +237,6 @@ def _bwd_state_kernel(
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
     bos, L, c0 = _seq_of(cu_seqlens, chunk_offsets, i_n, 0, 0, True)
-    o_t = tl.arange(0, BT)
     o_k, o_v, p_state, S = _state_tile(h0, i_n, i_h, i_v, USE_H0, H, K, V, BV)
     for i_c in range(0, tl.cdiv(L, BT)):
         rows, m_t = _rows_of(bos, L, i_c * BT, BT)
@@ -352,15 +351,15 @@ def _bwd_chunk_kernel(
     dAqk = tl.where(causal, dAqk, 0.0)
     dqg += _mm(dAqk, kn, TF32)
     dkn = _mm(tl.trans(dAqk), qg, TF32)
-    b_dq = scale * tl.exp(gc) * dqg  # w.r.t. the normalised q
+    b_dq = scale * _exp(gc) * dqg  # w.r.t. the normalised q
     if USE_L2:
         # q = x r with r = 1 / |x|: dx = r (dq - q <dq, q>)
         b_dq = (b_dq - b_q * tl.sum(b_dq * b_q, axis=1)[:, None]) * rq[:, None]
     tl.store(dq + p_qk, b_dq.to(dq.dtype.element_ty), mask=m_t[:, None])
     # dG: each factor's derivative in G (qg, kg ~ e^G; kn ~ e^-G; kd ~ e^(Gl - G))
     dG = qg * dqg - kd * dkd
-    b_dk = tl.exp(g_last[None, :] - gc) * dkd
-    dGl = dGl * tl.exp(g_last) + tl.sum(kd * dkd, axis=0)
+    b_dk = _exp(g_last[None, :] - gc) * dkd
+    dGl = dGl * _exp(g_last) + tl.sum(kd * dkd, axis=0)
     B1 = b_beta[:, None] * kg
     dX += _mm(dw, tl.trans(B1), TF32)
     dB1 = tl.dot(tl.trans(X), dw, input_precision="ieee")
@@ -373,7 +372,7 @@ def _bwd_chunk_kernel(
     dA = tl.where(strict, b_beta[:, None] * dM, 0.0)
     dkg += _mm(dA, kn, TF32)
     dkn += _mm(tl.trans(dA), kg, TF32)
-    b_dk += tl.exp(gc) * dkg + tl.exp(-gc) * dkn
+    b_dk += _exp(gc) * dkg + _exp(-gc) * dkn
     dG += kg * dkg - kn * dkn
     dG += tl.where(o_t[:, None] == BT - 1, dGl[None, :], 0.0)
     # dg_t = sum_{s >= t} dG_s (reverse cumsum) since G_t = sum_{s <= t} g_s
@@ -385,7 +384,7 @@ def _bwd_chunk_kernel(
         # g = lb * sigmoid(a x), x = z + dt_bias, a = exp(A_log): dz = dg lb s (1 - s) a = d dt_bias,
         # dA_log = sum dz x (da / dA_log = a)
         x = tl.load(g + p_qk, mask=m_t[:, None], other=0.0).to(tl.float32) + bias[None, :]
-        sg = tl.sigmoid(a_h * x)
+        sg = _sigmoid(a_h * x)
         b_dg = tl.where(m_t[:, None], b_dg * (lower_bound * a_h) * sg * (1.0 - sg), 0.0)
         tl.store(ddt_part + (i_ch * H + i_h) * K + o_k, tl.sum(b_dg, axis=0))
         tl.store(dA_part + i_ch * H + i_h, tl.sum(tl.sum(b_dg * x, axis=1), axis=0))
@@ -431,7 +430,7 @@ def _bwd64_dstate_kernel(
         b_wT = tl.load(w_buf + p_kT, mask=mT, other=0.0)  # [K, BT]
         b_qgT = tl.load(qg_buf + p_kT, mask=mT, other=0.0)
         b_kd = tl.load(kd_buf + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m2, other=0.0)
-        e_gl = tl.exp(tl.load(gl_buf + ((c0 + i_c) * H + i_h) * K + o_k))
+        e_gl = _exp(tl.load(gl_buf + ((c0 + i_c) * H + i_h) * K + o_k))
         p_v = (rows[:, None] * H + i_h) * V + o_v[None, :]
         b_do = tl.load(do + p_v, mask=m2, other=0.0)
         du = _mm64(b_AT, b_do, DOT) + _mm64(b_kd, dS, DOT)  # [BT, BV]
@@ -519,14 +518,14 @@ def _bwd64_inter_kernel(
         # e^{G_last - G} (both <= 1) are formed
         a_h = 0.0
         if USE_GATE:
-            a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+            a_h = _exp(tl.load(A_log + i_h).to(tl.float32))
         bias = _bias_cols(dt_bias, i_h, o_k, K, USE_GATE)
         b_q, b_k, G, gl = _ks_sub(q, k, g, rows, m_t, i_h, o_k, a_h, bias, lower_bound,
                                   tl.zeros([BK], dtype=tl.float32), H, K, BT, USE_GATE)
         qt = b_q * tl.load(r_buf + (rows * H + i_h) * 2, mask=m_t, other=0.0)[:, None]
         kh = b_k * tl.load(r_buf + (rows * H + i_h) * 2 + 1, mask=m_t, other=0.0)[:, None]
-        eG = tl.exp(G)
-        ed = tl.exp(gl[None, :] - G)
+        eG = _exp(G)
+        ed = _exp(gl[None, :] - G)
         kg = kh * eG
         qg = qt * eG
         kd = kh * ed
@@ -537,7 +536,7 @@ def _bwd64_inter_kernel(
         tl.store(dq_part + p, eG * dqg, mask=m2)
         tl.store(dk_part + p, eG * dkg + ed * dkd, mask=m2)
         tl.store(dG_part + p, qg * dqg + kg * dkg - kd * dkd, mask=m2)
-        tl.store(dGl_buf + cid * K + o_k, tl.exp(gl) * dgl + tl.sum(kd * dkd, axis=0))
+        tl.store(dGl_buf + cid * K + o_k, _exp(gl) * dgl + tl.sum(kd * dkd, axis=0))
 
 
 @triton.jit
@@ -600,7 +599,7 @@ def _bwd64_intra_kernel(
     o_c = i_k * BC + tl.arange(0, BC)
     a_h = 0.0
     if USE_GATE:
-        a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        a_h = _exp(tl.load(A_log + i_h).to(tl.float32))
     bias = _bias_cols(dt_bias, i_h, o_c, K, USE_GATE)
     b_q, b_k, G, _ = _ks_sub(q, k, g, rows, m_t, i_h, o_c, a_h, bias, lower_bound,
                              tl.zeros([BC], dtype=tl.float32), H, K, BT, USE_GATE)
@@ -614,8 +613,8 @@ def _bwd64_intra_kernel(
     r3 = tl.sum(tl.where(o4[:, None, None] == o4[None, :, None] + 1, e3[None, :, :], 0.0), axis=1)  # e_{I-1}
     blk = (o_t // 16)[None, :, None]  # sub-tile of chunk row j / i
     I3 = o4[:, None, None]
-    R3 = kh[None, :, :] * tl.exp(tl.where(blk <= I3, r3[:, None, :] - G[None, :, :], float("-inf")))  # [4, 64, BC]
-    Fc3 = tl.exp(tl.where(blk >= I3, G[None, :, :] - e3[:, None, :], float("-inf")))
+    R3 = kh[None, :, :] * _exp(tl.where(blk <= I3, r3[:, None, :] - G[None, :, :], float("-inf")))  # [4, 64, BC]
+    Fc3 = _exp(tl.where(blk >= I3, G[None, :, :] - e3[:, None, :], float("-inf")))
     # the sub-tiles' rows of dAqk, dA ([4, 16, 64]) and their columns, transposed (entry (I, a, i) = d.[i, 16 I + a])
     c3 = (16 * o4[:, None, None] + o16[None, :, None])  # [4, 16, 1]: chunk position of (I, a)
     rows3 = tl.reshape(rows, (4, 16))
@@ -625,11 +624,11 @@ def _bwd64_intra_kernel(
     dA_base = dA_buf + cid * (BT * BT)
     dA_r = tl.load(dA_base + c3 * BT + o_t[None, None, :])
     dA_c = tl.load(dA_base + o_t[None, None, :] * BT + c3)
-    F3 = tl.exp(G3 - r3[:, None, :])
+    F3 = _exp(G3 - r3[:, None, :])
     dqi = tl.reshape(F3 * _mm64(dAqk_r, R3, XDOT), (BT, BC))
     dkr = tl.reshape(F3 * _mm64(dA_r, R3, XDOT), (BT, BC))
     dkc3 = _mm64(dAqk_c, qt[None, :, :] * Fc3, XDOT) + _mm64(dA_c, kh[None, :, :] * Fc3, XDOT)
-    dkc = tl.reshape(tl.exp(e3[:, None, :] - G3) * dkc3, (BT, BC))
+    dkc = tl.reshape(_exp(e3[:, None, :] - G3) * dkc3, (BT, BC))
     p = (rows[:, None] * H + i_h) * K + o_c[None, :]
     dqt = tl.load(dq_part + p, mask=m2, other=0.0) + dqi
     dkh = tl.load(dk_part + p, mask=m2, other=0.0) + dkr + dkc
@@ -638,7 +637,7 @@ def _bwd64_intra_kernel(
     b_dg = tl.sum(dG, axis=0)[None, :] - tl.cumsum(dG, axis=0) + dG + tl.load(dGl_buf + cid * K + o_c)[None, :]
     if USE_GATE:
         x = tl.load(g + p, mask=m2, other=0.0).to(tl.float32) + bias[None, :]
-        sg = tl.sigmoid(a_h * x)
+        sg = _sigmoid(a_h * x)
         b_dg = tl.where(m2, b_dg * (lower_bound * a_h) * sg * (1.0 - sg), 0.0)
         tl.store(ddt_part + cid * K + o_c, tl.sum(b_dg, axis=0))
         tl.store(dA_part + cid * (K // BC) + i_k, tl.sum(tl.sum(b_dg * x, axis=0), axis=0))
