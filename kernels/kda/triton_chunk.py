@@ -86,6 +86,7 @@ __all__ = ["chunk_kda", "chunk_kda_fwd"]
 # Tile length. The safety argument above needs BT * |lower_bound| <= ~80, i.e. BT = 16 with g >= -5.
 _BT = 16
 _MAX_STEP_DECAY = 5.0
+_LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -94,7 +95,7 @@ def _exp(x):
     # with range fixups around it. The results differ only where e^x is an fp32 subnormal (|x| > 87), which these
     # kernels only ever multiply into negligible terms. In the 64-token prep kernel's loop this and G kept in log2
     # units (``_ks_left``) take 2271 -> 1784 SASS instructions a 16-channel slice (triton 3.6, sm_90a).
-    return tl.math.exp2(x * 1.4426950408889634)  # log2(e)
+    return tl.math.exp2(x * _LOG2E)
 
 
 @triton.jit
@@ -352,10 +353,10 @@ def _ks_sub(q, k, g, rows, m_t, i_h, o_c, a_h, bias, lower_bound, carry,
     b_k = tl.load(k + p, mask=m2, other=0.0).to(tl.float32)
     b_g = tl.load(g + p, mask=m2, other=0.0).to(tl.float32)
     if USE_GATE:
-        lb = lower_bound * 1.4426950408889634 if LOG2 else lower_bound  # log2(e) folded into the bound
+        lb = lower_bound * _LOG2E if LOG2 else lower_bound  # log2(e) folded into the bound
         b_g = tl.where(m2, lb * _sigmoid(a_h * (b_g + bias[None, :])), 0.0)
     elif LOG2:
-        b_g = b_g * 1.4426950408889634
+        b_g = b_g * _LOG2E
     G = tl.cumsum(b_g, axis=0) + carry[None, :]
     return b_q, b_k, G, tl.sum(tl.where(tl.arange(0, BS)[:, None] == BS - 1, G, 0.0), axis=0)
 
