@@ -241,22 +241,25 @@ def _fused_cases():
 
 def _gluon_moe_cases():
     """The Gluon MXFP4 decode kernels (Hopper only, so no CPU wrapper call reaches them): compiled directly at K3's
-    widths and the other K-step sizes, for each tokens-a-tile."""
+    widths and the other K-step sizes, for each tokens-a-tile and ring depth."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from k3_kernels.moe import gluon_moe
 
     common = dict(W="*u8", WS="*u8", SORTED="*i32", BLOCK_EXPERT="*i32", num_assign="i32", top_k="i32", D="i32",
-                  I="i32")
+                  I="i32", DW="i32", DS="i32", IW="i32", IS="i32")
     kernels = ((gluon_moe._gate_up_situ, dict(common, X="*bf16", H="*bf16", beta="fp32", linear_beta="fp32")),
                (gluon_moe._down, dict(common, H="*bf16", OUT="*fp32", TOPW="*fp32")))
 
-    def run(fn, types, nt, s):
-        cex = gluon_moe._constexprs(nt, s)
+    def run(fn, types, nt, s, stages):
+        cex = gluon_moe._constexprs(nt, s, stages)
         params = list(inspect.signature(fn.fn).parameters)
         signature = {p: types.get(p, "constexpr") for p in params}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if signature[p].startswith("*")}
-        key = (f"gluon_moe.{fn.__name__}", tuple(sorted((k, str(v)) for k, v in cex.items() if k in ("NT", "S"))),
+        # D, I (multiples of 64) and the row strides as at K3's widths: multiples of 16, which the launcher specialises
+        attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
+                 if signature[p].startswith("*") or p in ("D", "I", "DW", "DS", "IW", "IS")}
+        key = (f"gluon_moe.{fn.__name__}",
+               tuple(sorted((k, str(v)) for k, v in cex.items() if k in ("NT", "S", "STAGES"))),
                (("num_warps", 4),))
         try:
             kernel = triton.compile(GluonASTSource(fn, signature, cex, attrs), target=TARGET,
@@ -268,7 +271,9 @@ def _gluon_moe_cases():
     for fn, types in kernels:
         for nt in (8, 16, 32):
             for s in (1, 2, 4):
-                yield f"gluon {fn.__name__} NT={nt} S={s}", lambda fn=fn, types=types, nt=nt, s=s: run(fn, types, nt, s)
+                for st in (2, 3, 4):
+                    yield (f"gluon {fn.__name__} NT={nt} S={s} stages={st}",
+                           lambda fn=fn, types=types, nt=nt, s=s, st=st: run(fn, types, nt, s, st))
 
 
 def _launched_kernels() -> set[str]:

@@ -7,23 +7,27 @@ the operands' roles and register layouts that `tl.dot` chooses itself:
 
 - The weights are wgmma's left operand, 64 rows a warpgroup, taken from registers; the expert's tokens (at most
   NT = 8, 16 or 32 of them, zero-padded) are the right operand, from shared memory. Nothing is padded to 64 rows.
-- The packed weights are loaded as int32 words straight into the left operand's rows: of each 32-byte block (64
-  inputs) of its rows r and r + 8, the thread with c = lane % 4 loads words 2c and 2c + 1 (one 8-byte load), 16
-  nibbles, and turns them into the 16 bf16 values that wgmma's layout gives it (`_E2M1_WORDS_TO_BF16`, PTX).
+- The packed weights are read coalesced: 16-byte `cp.async` copies, a warp's covering whole rows' K steps (4 rows
+  x 128 bytes at S = 4), into shared-memory rings of STAGES buffers (XOR-swizzled by row), STAGES - 1 steps ahead,
+  and read from there into the left operand's rows: of each 32-byte block (64 inputs) of its rows r and r + 8, the
+  thread with c = lane % 4 takes words 2c and 2c + 1, 16 nibbles, and turns them into the 16 bf16 values that
+  wgmma's layout gives it (`_E2M1_WORDS_TO_BF16`, PTX). Loading the words straight into that layout (each warp
+  load touching 8 rows, 8 bytes a thread) was measured 14 % slower over the whole MoE at 64 tokens (BENCHMARKS.md,
+  twenty-third session): the loads, not the unpack, set the time.
 - The conversion places bits instead of looking codes up: a nibble's exponent and mantissa bits (e1 e0 m) go to bf16
   bits 8..6 and its sign to bit 15. That bf16 is the E2M1 value times 2^-126 for every code (the codes 0 and 0.5
   land on bf16 subnormals, exactly), so one bf16 multiply by 2^(s - 127 + 126) applies the E8M0 scale s as well.
   Output register o of a word pair holds nibbles j and j + 4 of word o // 4 (j = o % 4): 16 bits apart, so both
   halves need the same shifts. About 2 instructions a weight; `gl.fp4_to_fp`'s lookups took about 3.
-- So the operand's K order is a permutation of the inputs (`_operand_inputs`): position 16 t + 8 h + 2 c + q of each
+- So the operand's K order is a permutation of the inputs (`_operand_order`): position 16 t + 8 h + 2 c + q of each
   64-input block holds input 16 c + 8 (o // 4) + 4 q + o % 4, o = 2 t + h. A dot product does not care about the
-  order of its terms, so the token side is loaded in the same order and the released layout is read as it is: no
-  repacked copy of 2.8T weights, and `save_pretrained` has nothing to undo.
+  order of its terms, so the token side is gathered into the same order (on the host, before the kernels) and the
+  released layout is read as it is: no repacked copy of 2.8T weights, and `save_pretrained` has nothing to undo.
 - A thread's 16 values of a block lie in one 32-input scale block (c // 2). The multiplier is kept in bf16 range by
   a constant 2^-32, taken back on the fp32 accumulator: scales up to 2^33 are exact (far above trained weights);
   a larger one gives inf, not a wrong finite value.
 
-About 3.1 SASS instructions a weight in the K loop (triton 3.6, sm_90a, K3 widths), against 4.5 with
+About 3.5 SASS instructions a weight in the K loop (triton 3.6, sm_90a, K3 widths), against 4.5 with
 `gl.fp4_to_fp` and 6.5-7.3 with `tl.dot_scaled`.
 
 Two kernels, the structure of `triton_moe` (whose `_align` sorts the assignments into expert tiles of NT rows):
@@ -35,9 +39,12 @@ against the torch reference; CPU runs use the Triton or torch paths.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from .triton_moe import _align
@@ -81,18 +88,8 @@ def _tanh(x):
 
 
 @gluon.jit
-def _operand_inputs(BK: gl.constexpr, layout: gl.constexpr):
-    """The input index held at each of the BK operand positions of a K step (see the module doc): position
-    64 b + 16 t + 8 h + 2 c + q holds input 64 b + 16 c + 8 (o // 4) + 4 q + o % 4, o = 2 t + h."""
-    P = gl.arange(0, BK, layout=layout)
-    p = P % 64
-    o = 2 * (p // 16) + (p // 8) % 2
-    return P - p + 16 * ((p // 2) % 4) + 8 * (o // 4) + 4 * (p % 2) + o % 4
-
-
-@gluon.jit
 def _operand_position(n):
-    """The inverse of `_operand_inputs`: where input n sits in the operand order."""
+    """The inverse of `_operand_order`: where input n sits in the operand order."""
     p = n % 64
     r = p % 16
     o = 4 * (r // 8) + r % 4
@@ -116,20 +113,85 @@ def _unpack_mma(words, sb, x_tile, acc, S: gl.constexpr, ACC: gl.constexpr):
 
 
 @gluon.jit
-def _weight_ptrs(W, WS, e, row0, K, S: gl.constexpr, WL: gl.constexpr):
+def _weight_ptrs(W, WS, e, row0, RW, RS, S: gl.constexpr, LL: gl.constexpr, SL: gl.constexpr):
     """Pointers to the first K step of 64 weight rows from row0 of expert e (packed `[E, R, K / 2]` bytes, read as
-    int32 words `[64, S, 4, 2]`; scales `[E, R, K / 32]`, read as `[64, S, 4]`), R = num_programs(0) * 64 rows;
-    hoisted, so each K step only adds a scalar."""
+    int32 words, RW = K / 8 a row; scales `[E, R, K / 32]`, RS = K / 32 a row), R = num_programs(0) * 64 rows:
+    words `[64, 8 S]` in layout LL (16 bytes a thread), scales `[64, 2 S]` in SL (a row's 2 S bytes a thread).
+    Hoisted, so each K step only adds a scalar. RW and RS are arguments of their own so that the launcher's
+    divisibility specialisation sees them (K3's widths: multiples of 16), which vectorises the copies."""
     R = gl.num_programs(0) * BM
-    L3: gl.constexpr = gl.SliceLayout(3, WL)
-    r = gl.expand_dims(gl.expand_dims(row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3))), 1), 2)
-    b = gl.expand_dims(gl.expand_dims(gl.arange(0, S, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3))), 0), 2)
-    c = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3))), 0), 1)
-    q = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WL))))
-    words = e * R * (K // 8) + r * (K // 8) + b * 8 + c * 2  # [64, S, 4]: K / 8 words a row, 8 a block
-    w_ptr = W.to(gl.pointer_type(gl.int32)) + gl.expand_dims(words, 3) + q[None, None, None, :]
-    s_ptr = WS + e * R * (K // 32) + r * (K // 32) + b * 2 + c // 2
+    rw = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, LL))
+    w_ptr = (W.to(gl.pointer_type(gl.int32)) + (e * R + rw[:, None]) * RW
+             + gl.arange(0, 8 * S, layout=gl.SliceLayout(0, LL))[None, :])
+    rs = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, SL))
+    s_ptr = WS + (e * R + rs[:, None]) * RS + gl.arange(0, 2 * S, layout=gl.SliceLayout(0, SL))[None, :]
     return w_ptr, s_ptr
+
+
+@gluon.jit
+def _scales_wl(sb, S: gl.constexpr, WL: gl.constexpr):
+    """Scales as read, `[64, 2 S]`, as `[64, S, 4]` (c // 2's byte for each c) in the layout `_unpack_mma` takes."""
+    sb = gl.reshape(sb, [BM, S, 2])
+    return gl.convert_layout(gl.reshape(gl.join(sb, sb), [BM, S, 4]), gl.SliceLayout(3, WL))
+
+
+@gluon.jit
+def _issue(a_ptr, a_ring, b_ptr, b_ring, x_ptr, x_mask, x_ring, k, st, BK: gl.constexpr, TWO: gl.constexpr):
+    """Start the copies of K step k (words of one or two weight blocks, the token tile) into ring buffer st."""
+    cp.async_copy_global_to_shared(a_ring.index(st), a_ptr + k * (BK // 8))
+    if TWO:
+        cp.async_copy_global_to_shared(b_ring.index(st), b_ptr + k * (BK // 8))
+    cp.async_copy_global_to_shared(x_ring.index(st), x_ptr + k * BK, mask=x_mask)
+
+
+@gluon.jit
+def _k_async(a_ptr, b_ptr, sa_ptr, sb_ptr, x_ptr, x_mask, K, NT: gl.constexpr, S: gl.constexpr, ACC: gl.constexpr,
+             WL: gl.constexpr, W2L: gl.constexpr, WSM: gl.constexpr, X_SMEM: gl.constexpr, STAGES: gl.constexpr,
+             TWO: gl.constexpr):
+    """The K loop with the words (coalesced, `[64, 8 S]` a step) and the token tile (contiguous: the host gathers
+    it into the operand order) streamed by `cp.async` into rings of STAGES buffers, STAGES - 1 steps ahead; the
+    scales one step ahead in registers. Returns the accumulators of one (two when TWO) weight blocks."""
+    BK: gl.constexpr = 64 * S
+    n_k = K // BK
+    a_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BM, 8 * S], WSM)
+    if TWO:
+        b_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BM, 8 * S], WSM)
+    else:
+        b_ring = a_ring
+    x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, NT, BK], X_SMEM)
+    acc_a = gl.zeros([BM, NT], gl.float32, ACC)
+    acc_b = gl.zeros([BM, NT], gl.float32, ACC)
+    for i in gl.static_range(STAGES - 1):
+        if i < n_k:
+            _issue(a_ptr, a_ring, b_ptr, b_ring, x_ptr, x_mask, x_ring, i, i, BK, TWO)
+        cp.commit_group()
+    sa = gl.load(sa_ptr)
+    sb = sa
+    if TWO:
+        sb = gl.load(sb_ptr)
+    for k in range(n_k):
+        cp.wait_group(STAGES - 2)  # this thread's copies of step k have landed,
+        fence_async_shared()  # are visible to wgmma's async proxy (cp.async writes through the generic one),
+        gl.thread_barrier()  # and so are everyone's; everyone is done with step k - 1's buffers, refilled next
+        kn = k + STAGES - 1
+        if kn < n_k:
+            _issue(a_ptr, a_ring, b_ptr, b_ring, x_ptr, x_mask, x_ring, kn, kn % STAGES, BK, TWO)
+        cp.commit_group()
+        kq = gl.minimum(k + 1, n_k - 1) * (2 * S)
+        sa_next = gl.load(sa_ptr + kq)
+        sb_next = sa_next
+        if TWO:
+            sb_next = gl.load(sb_ptr + kq)
+        st = k % STAGES
+        words = gl.convert_layout(gl.reshape(a_ring.index(st).load(W2L), [BM, S, 4, 2]), WL)
+        acc_a = _unpack_mma(words, _scales_wl(sa, S, WL), x_ring.index(st), acc_a, S, ACC)
+        if TWO:
+            words = gl.convert_layout(gl.reshape(b_ring.index(st).load(W2L), [BM, S, 4, 2]), WL)
+            acc_b = _unpack_mma(words, _scales_wl(sb, S, WL), x_ring.index(st), acc_b, S, ACC)
+        sa = sa_next
+        sb = sb_next
+    cp.wait_group(0)
+    return acc_a, acc_b
 
 
 @gluon.jit
@@ -141,29 +203,25 @@ def _tile_rows(SORTED, tile, num_assign, top_k, NT: gl.constexpr, layout: gl.con
 
 
 @gluon.jit
-def _gate_up_situ(X, W, WS, H, SORTED, BLOCK_EXPERT, num_assign, top_k, D, I, beta, linear_beta,
+def _gate_up_situ(X, W, WS, H, SORTED, BLOCK_EXPERT, num_assign, top_k, D, I, DW, DS, beta, linear_beta,
                   NT: gl.constexpr, S: gl.constexpr, ACC: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr,
-                  X_SMEM: gl.constexpr):
+                  X_SMEM: gl.constexpr, LL: gl.constexpr, SL: gl.constexpr, W2L: gl.constexpr, WSM: gl.constexpr,
+                  STAGES: gl.constexpr):
     """h[tile rows, 64 columns] = SiTU-GLU(x W_gate^T, x W_up^T); grid (I / 64, tiles). W `[E, 2I, D / 2]` (gate
-    rows first, then up). h is stored in the operand order of `_down`'s K steps."""
+    rows first, then up); X `[N, D]` gathered into the operand order. h is stored in the operand order of `_down`'s
+    K steps."""
     BK: gl.constexpr = 64 * S
     n0 = gl.program_id(0) * BM
     tile = gl.program_id(1)
     e = gl.load(BLOCK_EXPERT + tile)
     if e >= 0:  # spare tiles of `_align`'s bound have no expert
         e64 = e.to(gl.int64)
-        wg_ptr, sg_ptr = _weight_ptrs(W, WS, e64 * 2, n0, D, S, WL)  # expert e's 2I rows: 2 e "experts" of I
-        wu_ptr, su_ptr = _weight_ptrs(W, WS, e64 * 2 + 1, n0, D, S, WL)
+        wg_ptr, sg_ptr = _weight_ptrs(W, WS, e64 * 2, n0, DW, DS, S, LL, SL)  # 2I rows: 2 e "experts" of I
+        wu_ptr, su_ptr = _weight_ptrs(W, WS, e64 * 2 + 1, n0, DW, DS, S, LL, SL)
         assign, valid, token = _tile_rows(SORTED, tile, num_assign, top_k, NT, gl.SliceLayout(1, XL))
-        x_ptr = X + token[:, None] * D + _operand_inputs(BK, gl.SliceLayout(0, XL))[None, :]
-        acc_g = gl.zeros([BM, NT], gl.float32, ACC)
-        acc_u = gl.zeros([BM, NT], gl.float32, ACC)
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [NT, BK], X_SMEM)
-        for k0 in range(0, D, BK):
-            x_smem.store(gl.load(x_ptr + k0, mask=valid[:, None], other=0.0))
-            fence_async_shared()
-            acc_g = _unpack_mma(gl.load(wg_ptr + k0 // 8), gl.load(sg_ptr + k0 // 32), x_smem, acc_g, S, ACC)
-            acc_u = _unpack_mma(gl.load(wu_ptr + k0 // 8), gl.load(su_ptr + k0 // 32), x_smem, acc_u, S, ACC)
+        x_ptr = X + token[:, None] * D + gl.arange(0, BK, layout=gl.SliceLayout(0, XL))[None, :]
+        acc_g, acc_u = _k_async(wg_ptr, wu_ptr, sg_ptr, su_ptr, x_ptr, valid[:, None], D, NT, S, ACC, WL, W2L, WSM,
+                                X_SMEM, STAGES, True)
         acc_g = acc_g * UNSCALE
         acc_u = acc_u * UNSCALE
         h = beta * _tanh(acc_g / beta) * _sigmoid(acc_g) * (linear_beta * _tanh(acc_u / linear_beta))
@@ -174,41 +232,68 @@ def _gate_up_situ(X, W, WS, H, SORTED, BLOCK_EXPERT, num_assign, top_k, D, I, be
 
 
 @gluon.jit
-def _down(H, W, WS, OUT, TOPW, SORTED, BLOCK_EXPERT, num_assign, top_k, D, I,
+def _down(H, W, WS, OUT, TOPW, SORTED, BLOCK_EXPERT, num_assign, top_k, D, I, IW, IS,
           NT: gl.constexpr, S: gl.constexpr, ACC: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr,
-          X_SMEM: gl.constexpr):
+          X_SMEM: gl.constexpr, LL: gl.constexpr, SL: gl.constexpr, W2L: gl.constexpr, WSM: gl.constexpr,
+          STAGES: gl.constexpr):
     """out[token, 64 columns] += routing weight * (h W_down^T); grid (D / 64, tiles). W `[E, D, I / 2]`."""
     BK: gl.constexpr = 64 * S
     d0 = gl.program_id(0) * BM
     tile = gl.program_id(1)
     e = gl.load(BLOCK_EXPERT + tile)
     if e >= 0:
-        w_ptr, s_ptr = _weight_ptrs(W, WS, e.to(gl.int64), d0, I, S, WL)
+        w_ptr, s_ptr = _weight_ptrs(W, WS, e.to(gl.int64), d0, IW, IS, S, LL, SL)
         rows = (tile * NT + gl.arange(0, NT, layout=gl.SliceLayout(1, XL))).to(gl.int64)
         h_ptr = H + rows[:, None] * I + gl.arange(0, BK, layout=gl.SliceLayout(0, XL))[None, :]
-        acc = gl.zeros([BM, NT], gl.float32, ACC)
-        h_smem = gl.allocate_shared_memory(gl.bfloat16, [NT, BK], X_SMEM)
-        for k0 in range(0, I, BK):
-            h_smem.store(gl.load(h_ptr + k0))  # pad rows of a tile hold finite values and get no output
-            fence_async_shared()
-            acc = _unpack_mma(gl.load(w_ptr + k0 // 8), gl.load(s_ptr + k0 // 32), h_smem, acc, S, ACC)
+        # pad rows of a tile hold finite values and get no output: no mask on h
+        acc, _ = _k_async(w_ptr, w_ptr, s_ptr, s_ptr, h_ptr, None, I, NT, S, ACC, WL, W2L, WSM, X_SMEM, STAGES, False)
         assign, valid, token = _tile_rows(SORTED, tile, num_assign, top_k, NT, gl.SliceLayout(0, ACC))
         wt = gl.load(TOPW + assign, mask=valid, other=0.0) * UNSCALE
         d = d0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))
         gl.atomic_add(OUT + token[None, :] * D + d[:, None], acc * wt[None, :], mask=valid[None, :])
 
 
-def _constexprs(nt: int, s: int) -> dict:
+def _constexprs(nt: int, s: int, stages: int) -> dict:
     acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, nt, 16])
-    # Words `[64 rows, S blocks, 4 (c), 2]` as stored: a thread holds words 2c, 2c + 1 of each block of rows r and
-    # r + 8, c = lane % 4, r = 16 warp + lane / 4 (wgmma's operand rows); the word pair in consecutive registers.
+    # wgmma's operand layout of the words `[64 rows, S blocks, 4 (c), 2]`: a thread holds words 2c, 2c + 1 of each
+    # block of rows r and r + 8, c = lane % 4, r = 16 warp + lane / 4; the word pair in consecutive registers.
     steps = [[0, 1 << j, 0, 0] for j in range(s.bit_length() - 1)]
     wl = gl.DistributedLinearLayout(reg_bases=[[0, 0, 0, 1], [8, 0, 0, 0]] + steps,
                                     lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
                                     warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[BM, s, 4, 2])
+    # The copies: 16 bytes a thread, a warp's covering whole rows' K steps (4 rows x 128 bytes at S = 4); the scales
+    # as the 2 S distinct bytes of each row, in one load a thread.
+    ll = gl.BlockedLayout([1, 4], [32 // (2 * s), 2 * s], [4, 1], [1, 0])
+    sl = gl.BlockedLayout([1, 2 * s], [32, 1], [4, 1], [1, 0])
+    # wgmma's layout of the words as the 2-D `[64, 8 S]` they are in the ring (column 8 b + 2 c + q), whose 16-byte
+    # chunks are XOR-swizzled by row so that those reads (8 rows, 32 bytes each, a warp) spread over the banks.
+    w2l = gl.DistributedLinearLayout(reg_bases=[[0, 1], [8, 0]] + [[0, 8 << j] for j in range(s.bit_length() - 1)],
+                                     lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+                                     warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BM, 8 * s])
+    wsm = gl.SwizzledSharedLayout(4, max(1, 4 // s), min(8, 2 * s), [1, 0])
     cols = min(32, 8 * s)  # threads along K of the token tile, 8 inputs each
     return dict(NT=nt, S=s, ACC=acc, WL=wl, XL=gl.BlockedLayout([1, 8], [32 // cols, cols], [4, 1], [1, 0]),
-                X_SMEM=gl.NVMMASharedLayout.get_default_for([nt, 64 * s], gl.bfloat16))
+                X_SMEM=gl.NVMMASharedLayout.get_default_for([nt, 64 * s], gl.bfloat16), LL=ll, SL=sl, W2L=w2l,
+                WSM=wsm, STAGES=stages)
+
+
+def _operand_order(k: int, device: torch.device) -> torch.Tensor:
+    """The input held at each of the k operand positions: position 64 b + 16 t + 8 h + 2 c + q holds input
+    64 b + 16 c + 8 (o // 4) + 4 q + o % 4, o = 2 t + h (see the module doc). Cached per width and device, except
+    while a CUDA graph is captured: a tensor built then holds its values only once the graph replays."""
+    if torch.cuda.is_current_stream_capturing():
+        return _build_operand_order(k, device)
+    return _cached_operand_order(k, device)
+
+
+def _build_operand_order(k: int, device: torch.device) -> torch.Tensor:
+    P = torch.arange(k, device=device)
+    p = P % 64
+    o = 2 * (p // 16) + (p // 8) % 2
+    return P - p + 16 * ((p // 2) % 4) + 8 * (o // 4) + 4 * (p % 2) + o % 4
+
+
+_cached_operand_order = functools.lru_cache(maxsize=None)(_build_operand_order)
 
 
 def gluon_decode_available(device: torch.device) -> bool:
@@ -232,10 +317,12 @@ def _k_step(k: int) -> int:
 
 
 def moe_experts_gluon(x, top_idx, top_w, w13_packed, w13_scale, w2_packed, w2_scale, *, beta: float = 4.0,
-                      linear_beta: float = 25.0, token_slots: int | None = None, k_step: int | None = None):
+                      linear_beta: float = 25.0, token_slots: int | None = None, k_step: int | None = None,
+                      stages: int = 2):
     """x `[N, D]` -> `[N, D]` on MXFP4 experts in the released layout (see `triton_moe.moe_experts_triton`), for
     decode-sized batches; Hopper only (`gluon_decode_available`). `token_slots` overrides NT (8, 16 or 32), `k_step`
-    the 64-input blocks of a K step (1, 2 or 4, dividing both widths)."""
+    the 64-input blocks of a K step (1, 2 or 4, dividing both widths), `stages` the ring buffers (2, 3 or 4; 2
+    measured fastest on the H100)."""
     E, two_i, D = w13_packed.shape[0], w13_packed.shape[1], 2 * w13_packed.shape[2]
     I = two_i // 2
     if not gluon_decode_available(x.device):
@@ -247,16 +334,20 @@ def moe_experts_gluon(x, top_idx, top_w, w13_packed, w13_scale, w2_packed, w2_sc
     if nt not in (8, 16, 32):
         raise ValueError(f"moe_experts_gluon: token_slots must be 8, 16 or 32, got {nt}")
     if k_step is not None and (k_step not in (1, 2, 4) or D % (64 * k_step) or I % (64 * k_step)):
-        raise ValueError(f"moe_experts_gluon: k_step must be 1, 2 or 4 and divide {D // 64} and {I // 64}, got {k_step}")
+        raise ValueError(f"moe_experts_gluon: k_step must be 1, 2 or 4 and divide {D // 64} and {I // 64}, "
+                         f"got {k_step}")
+    if stages not in (2, 3, 4):
+        raise ValueError(f"moe_experts_gluon: stages must be 2, 3 or 4, got {stages}")
     if N == 0:
         return torch.zeros((0, D), device=x.device, dtype=x.dtype)
     sorted_ids, block_expert, tiles, _, _ = _align(top_idx, E, nt)
     hbuf = torch.empty((tiles * nt, I), device=x.device, dtype=torch.bfloat16)
     out = torch.zeros((N, D), device=x.device, dtype=torch.float32)
-    xb = x.to(torch.bfloat16).contiguous()
+    # The rings copy the token tile contiguously: gather it into the operand order once. [N, D] -> [N, D]
+    xb = x.to(torch.bfloat16)[:, _operand_order(D, x.device)]
     s1, s2 = k_step or _k_step(D), k_step or _k_step(I)
     _gate_up_situ[(I // BM, tiles)](xb, w13_packed, w13_scale, hbuf, sorted_ids, block_expert, N * k, k, D, I,
-                                    beta, linear_beta, **_constexprs(nt, s1), num_warps=4)
+                                    D // 8, D // 32, beta, linear_beta, **_constexprs(nt, s1, stages), num_warps=4)
     _down[(D // BM, tiles)](hbuf, w2_packed, w2_scale, out, top_w.reshape(-1).float().contiguous(), sorted_ids,
-                            block_expert, N * k, k, D, I, **_constexprs(nt, s2), num_warps=4)
+                            block_expert, N * k, k, D, I, I // 8, I // 32, **_constexprs(nt, s2, stages), num_warps=4)
     return out.to(x.dtype)

@@ -364,9 +364,9 @@ _DEFAULT_CONFIGS = {
 # weight; its decode tiles unpack every weight once per 16 rows, so they lose further up).
 _DECODE_MAX_ROWS = {"dense": 12, "mxfp4": 24}
 # MXFP4 decode runs on the Gluon kernels (`gluon_moe`) by default on Hopper from this many assignments: below it their
-# grid is a few waves of unpipelined programs and the Triton tiles win (H100, K3 shapes, top-16, twenty-first
-# session: 2 tokens 0.57 vs 0.49 ms, 4 tokens 0.60 vs 0.83, 64 tokens 4.69 vs 7.59).
-_GLUON_MIN_ASSIGNMENTS = 64
+# grid is a few waves of programs and the Triton tiles win (H100, K3 shapes, top-16, twenty-third session, Gluon vs
+# Triton ms: 4 tokens 1.39 vs 0.85, 6 tokens 1.51 vs 1.14, 8 tokens 1.27 vs 1.44, 64 tokens 3.91 vs about 7.6).
+_GLUON_MIN_ASSIGNMENTS = 128
 _CONFIG_KEYS = ("block_m", "reduce", "order", "gluon", "gate_up", "down")
 _KERNEL_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "row_tiles", "tma")
 _REDUCES = ("atomic", "sorted")

@@ -39,6 +39,7 @@ def _routing(N, E, k, g, hot=0.0):
 
 
 @needs_hopper
+@pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("nt", [None, 8, 16, 32])
 @pytest.mark.parametrize("N,E,k,D,I,hot", [
     (1, 8, 2, 64, 64, 0.0),  # one token: S = 1, most tiles spare
@@ -46,28 +47,30 @@ def _routing(N, E, k, g, hot=0.0):
     (33, 6, 4, 384, 128, 0.5),  # a hot expert over several tiles; S = 2
     (100, 9, 2, 512, 320, 0.5),  # uneven loads, I = 5 x 64
 ])
-def test_matches_reference(N, E, k, D, I, hot, nt):
+def test_matches_reference(N, E, k, D, I, hot, nt, stages):
     g = torch.Generator().manual_seed(N * D + I)
     x = torch.randn(N, D, generator=g).bfloat16().to(DEVICE)
     w = _experts(E, D, I, g)
     top_idx, top_w = _routing(N, E, k, g, hot)
     want = moe_experts_mxfp4(x.float(), top_idx, top_w, *w)
-    got = moe_experts_gluon(x, top_idx, top_w, *w, token_slots=nt)
+    got = moe_experts_gluon(x, top_idx, top_w, *w, token_slots=nt, stages=stages)
     assert got.dtype == x.dtype and got.shape == x.shape
     assert torch.isfinite(got).all()
     assert rel_err(got.float(), want) <= 1e-2
 
 
 @needs_hopper
+@pytest.mark.parametrize("stages", [2, 3, 4])
 @pytest.mark.parametrize("k_step", [1, 2, 4])
-def test_k_step_override(k_step):
-    """Every K-step width over several steps (D = 512, I = 256), with hot experts over several tiles."""
+def test_k_step_override(k_step, stages):
+    """Every K-step width and ring depth over several steps (D = 512, I = 256: 2 to 8 steps, so the rings wrap and
+    the last steps have nothing left to prefetch), with hot experts over several tiles."""
     N, E, k, D, I = 40, 6, 3, 512, 256
     g = torch.Generator().manual_seed(k_step)
     x = torch.randn(N, D, generator=g).bfloat16().to(DEVICE)
     w = _experts(E, D, I, g)
     top_idx, top_w = _routing(N, E, k, g, hot=0.5)
-    got = moe_experts_gluon(x, top_idx, top_w, *w, k_step=k_step)
+    got = moe_experts_gluon(x, top_idx, top_w, *w, k_step=k_step, stages=stages)
     assert rel_err(got.float(), moe_experts_mxfp4(x.float(), top_idx, top_w, *w)) <= 1e-2
 
 
@@ -107,6 +110,34 @@ def test_k3_widths_and_the_triton_entry_point():
     assert rel_err(got.float(), moe_experts_triton(x, top_idx, top_w, **fp4, config={"gluon": False}).float()) <= 1e-2
     # The atomics add a token's k slots in a varying order: equal to fp32 rounding, not bit for bit.
     assert rel_err(got.float(), moe_experts_gluon(x, top_idx, top_w, *w).float()) <= 1e-3
+
+
+@needs_hopper
+def test_cuda_graph_capture():
+    """A decode step captured in a CUDA graph (as `generate` with a static cache does), with the operand-order
+    gather first built inside the capture: the replay matches eager calls, and so does an eager call made after the
+    capture, before any replay (nothing half-built is cached)."""
+    from k3_kernels.moe import gluon_moe
+
+    N, E, k, D, I = 16, 8, 4, 448, 128
+    g = torch.Generator().manual_seed(11)
+    w = _experts(E, D, I, g)
+    x = torch.randn(N, D, generator=g).bfloat16().to(DEVICE)
+    top_idx, top_w = _routing(N, E, k, g)
+    moe_experts_gluon(x, top_idx, top_w, *w)  # compile outside the capture
+    gluon_moe._cached_operand_order.cache_clear()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = moe_experts_gluon(x, top_idx, top_w, *w)
+    torch.cuda.current_stream().wait_stream(stream)
+    eager = moe_experts_gluon(x, top_idx, top_w, *w).float()
+    assert rel_err(eager, moe_experts_mxfp4(x.float(), top_idx, top_w, *w)) <= 1e-2
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out.float(), eager) <= 1e-3
 
 
 @needs_hopper
@@ -154,6 +185,8 @@ def test_bad_requests():
             moe_experts_gluon(x, idx, tw, *fp4.values(), token_slots=12)
         with pytest.raises(ValueError, match="k_step must be 1, 2 or 4"):
             moe_experts_gluon(x, idx, tw, *fp4.values(), k_step=2)  # 64 wide: only S = 1 divides
+        with pytest.raises(ValueError, match="stages must be 2, 3 or 4"):
+            moe_experts_gluon(x, idx, tw, *fp4.values(), stages=1)
         with pytest.raises(ValueError, match="multiples of 64"):
             moe_experts_gluon(torch.zeros(2, 96, dtype=torch.bfloat16, device=DEVICE), idx, tw,
                               *_tiny_fp4(D=96).values())
