@@ -276,6 +276,42 @@ def _gluon_moe_cases():
                            lambda fn=fn, types=types, nt=nt, s=s, st=st: run(fn, types, nt, s, st))
 
 
+def _gluon_mla_cases():
+    """The Gluon MLA split kernel (Hopper only): K3's shapes, each tile width and ring depth, with and without the
+    mask, one split or several."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from k3_kernels.mla import gluon_decode
+
+    fn = gluon_decode._mla_split_gluon
+    types = dict(Q="*bf16", QPE="*bf16", POOL="*bf16", BT="*i32", LENS="*i32", MASK="*u8", O="*bf16",
+                 PART_O="*fp32", PART_LSE="*fp32", qk_scale_log2="fp32")
+
+    def run(block_n, stages, has_mask, one):
+        cex = dict(gluon_decode._constexprs(block_n, stages, 64, torch.bfloat16), HAS_MASK=has_mask, ONE_SPLIT=one)
+        params = list(inspect.signature(fn.fn).parameters)
+        signature = {p: types.get(p, "constexpr" if p in cex else "i32") for p in params}
+        # the strides of K3's q, pool and out (multiples of 16, which the launcher specialises), H = 96
+        div16 = ("H", "s_qb", "s_qt", "s_qh", "s_pb", "s_pt", "s_ph", "s_pool_p", "s_pool_s", "s_ob", "s_ot", "s_oh")
+        attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
+                 if signature[p].startswith("*") or p in div16}
+        key = ("gluon_decode._mla_split_gluon", (("BLOCK_N", str(block_n)), ("HAS_MASK", str(has_mask)),
+                                                 ("ONE_SPLIT", str(one)), ("STAGES", str(stages))),
+               (("num_warps", 8),))
+        try:
+            kernel = triton.compile(GluonASTSource(fn, signature, cex, attrs), target=TARGET,
+                                    options={"num_warps": 8})
+            compiled[key] = ("ok" if kernel.metadata.shared <= H200_SHARED_BYTES
+                             else f"FAILED: shared memory {kernel.metadata.shared}")
+        except Exception as exc:  # noqa: BLE001 - reported like the Triton kernels' failures
+            compiled[key] = f"FAILED: {type(exc).__name__}: {exc}"
+
+    for block_n, stages in ((64, 2), (32, 2), (32, 3)):
+        for has_mask, one in ((False, False), (True, False), (False, True)):
+            yield (f"gluon MLA split BLOCK_N={block_n} STAGES={stages} mask={has_mask} one_split={one}",
+                   lambda b=block_n, st=stages, m=has_mask, o=one: run(b, st, m, o))
+
+
 def _launched_kernels() -> set[str]:
     """Names launched as `name[grid](...)` in the kernel sources: what the cases must reach."""
     root = Path(__file__).resolve().parents[1] / "kernels"
@@ -292,7 +328,8 @@ def main() -> int:
     print(f"triton {triton.__version__} ({Path(triton.__file__).parent}), target {TARGET}")
     JITFunction.run = _compile_instead_of_launch
     case_errors = []
-    for cases in (_moe_cases, _gluon_moe_cases, _kda_cases, _mla_cases, _attnres_cases, _fused_cases):
+    for cases in (_moe_cases, _gluon_moe_cases, _kda_cases, _mla_cases, _gluon_mla_cases, _attnres_cases,
+                  _fused_cases):
         try:
             for name, fn in cases():
                 _current_case[0] = name

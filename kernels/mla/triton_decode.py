@@ -160,7 +160,7 @@ def _num_sms(device: torch.device) -> int:
 
 def mla_paged_decode(
     q_lat, q_pe, pool, block_table, lengths, scale, *, mask=None, out=None, max_len=None,
-    num_splits=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
+    num_splits=None, block_m=None, block_n=None, num_warps=None, num_stages=None, gluon=False,
 ):
     """Attention of absorbed MLA queries over a paged latent cache.
 
@@ -170,6 +170,8 @@ def mla_paged_decode(
     (True = attend; ANDed with the causal rule), out: optional [B, Tq, H, r] to write into.
     Returns o_lat [B, Tq, H, r] in q_lat's dtype (softmax(scores) @ c; the caller applies W_uv). Query rows
     with no visible key get 0. `max_len` (default `n_blocks * page`) bounds the split sizes without a sync.
+    `gluon=True` runs the split kernel of `gluon_decode` (Hopper, r = 512, dr = 64, 16-bit cache; block_m 64,
+    block_n 32 or 64 (default 64), num_stages = its ring buffers, default 2; num_warps does not apply).
     """
     B, Tq, H, r, dr = check_paged_inputs(q_lat, q_pe, pool, block_table, lengths, mask)
     page = pool.shape[1]
@@ -188,6 +190,15 @@ def mla_paged_decode(
 
     m_rows = Tq * H
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if gluon:
+        from .gluon_decode import gluon_mla_available
+
+        if not gluon_mla_available(q.device, r, dr, pool.dtype):
+            raise RuntimeError(f"mla_paged_decode(gluon=True) needs a compute capability 9.x CUDA device, r = 512, "
+                               f"dr = 64 and a bf16 / fp16 cache; got {q.device}, r = {r}, dr = {dr}, {pool.dtype}")
+        if block_m not in (None, 64) or block_n not in (None, 32, 64) or num_warps is not None:
+            raise ValueError("mla_paged_decode(gluon=True): block_m must be 64, block_n 32 or 64, num_warps unset")
+        block_m, block_n, num_stages = 64, block_n or 64, num_stages or 2
     block_r = max(16, triton.next_power_of_2(r))
     block_pe = max(16, triton.next_power_of_2(dr)) if dr else 16
     if block_m is None:
@@ -228,18 +239,25 @@ def mla_paged_decode(
     dot_prec = "ieee" if pool.dtype == torch.float32 else None  # fp32 caches: no silent tf32
     # The CPU interpreter's tl.dot is wrong on bf16/fp16 operands (triton 3.9, probed): there the operands are
     # upcast after the same roundings (p to the cache dtype), so the bf16 logic is still what the tests check.
-    _mla_paged_split_kernel[(n_mblocks, B, num_splits)](
-        q, qpe, pool, block_table, lengths, mk, out, part_o, part_lse,
-        H, Tq, m_rows, split_len,
-        q.stride(0), q.stride(1), q.stride(2), qpe.stride(0), qpe.stride(1), qpe.stride(2),
-        pool.stride(0), pool.stride(1), block_table.stride(0), *s_m,
-        out.stride(0), out.stride(1), out.stride(2),
-        scale * math.log2(math.e),
-        R=r, DR=dr, BLOCK_R=block_r, BLOCK_PE=block_pe, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
-        HAS_MASK=mask is not None, ONE_SPLIT=one, DOT_PREC=dot_prec,
-        DOT_F32=interp and pool.dtype != torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    args = (q, qpe, pool, block_table, lengths, mk, out, part_o, part_lse,
+            H, Tq, m_rows, split_len,
+            q.stride(0), q.stride(1), q.stride(2), qpe.stride(0), qpe.stride(1), qpe.stride(2),
+            pool.stride(0), pool.stride(1), block_table.stride(0), *s_m,
+            out.stride(0), out.stride(1), out.stride(2),
+            scale * math.log2(math.e))
+    if gluon:
+        from .gluon_decode import mla_split_gluon
+
+        mla_split_gluon((n_mblocks, B, num_splits), args, block_n=block_n, stages=num_stages, page=page,
+                        has_mask=mask is not None, one_split=one, dtype=pool.dtype)
+    else:
+        _mla_paged_split_kernel[(n_mblocks, B, num_splits)](
+            *args,
+            R=r, DR=dr, BLOCK_R=block_r, BLOCK_PE=block_pe, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
+            HAS_MASK=mask is not None, ONE_SPLIT=one, DOT_PREC=dot_prec,
+            DOT_F32=interp and pool.dtype != torch.float32,
+            num_warps=num_warps, num_stages=num_stages,
+        )
     if not one:
         merge_m = 16
         _mla_merge_kernel[(B, triton.cdiv(m_rows, merge_m))](
