@@ -39,17 +39,17 @@ DR = gl.constexpr(64)
 def _tile_rows(POOL, BT, b64, s_bt_b, s_pool_p, s_pool_s, n0, end, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
                layout: gl.constexpr):
     """Row starts `[BLOCK_N]` (in `layout`) of cached tokens n0.. of the sequence; tokens at or past `end` read
-    token end - 1 instead (their scores are masked)."""
-    n = gl.minimum(n0 + gl.arange(0, BLOCK_N, layout=layout), end - 1)
-    page = gl.load(BT + b64 * s_bt_b + n // PAGE).to(gl.int64)
+    token end - 1 instead (their scores are masked). A tile wholly past the end (computed ahead, never copied)
+    reads no block-table entry."""
+    n = gl.maximum(gl.minimum(n0 + gl.arange(0, BLOCK_N, layout=layout), end - 1), 0)
+    page = gl.load(BT + b64 * s_bt_b + n // PAGE, mask=n < end, other=0).to(gl.int64)
     return POOL + page * s_pool_p + (n % PAGE).to(gl.int64) * s_pool_s
 
 
 @gluon.jit
-def _issue(POOL, BT, b64, s_bt_b, s_pool_p, s_pool_s, n0, end, c_ring, pe_ring, st,
-           BLOCK_N: gl.constexpr, PAGE: gl.constexpr, CL: gl.constexpr, PL: gl.constexpr):
-    """Start the copies of the tile at token n0 into ring buffer st: latent `[BLOCK_N, 512]`, rope `[BLOCK_N, 64]`."""
-    base = _tile_rows(POOL, BT, b64, s_bt_b, s_pool_p, s_pool_s, n0, end, BLOCK_N, PAGE, gl.SliceLayout(1, CL))
+def _issue(base, c_ring, pe_ring, st, CL: gl.constexpr, PL: gl.constexpr):
+    """Start the copies of the tile whose row starts are `base` (`_tile_rows`) into ring buffer st: latent
+    `[BLOCK_N, 512]`, rope `[BLOCK_N, 64]`."""
     cp.async_copy_global_to_shared(c_ring.index(st),
                                    base[:, None] + gl.arange(0, R, layout=gl.SliceLayout(0, CL))[None, :])
     base = gl.convert_layout(base, gl.SliceLayout(1, PL))
@@ -66,7 +66,7 @@ def _mla_split_gluon(
     s_pool_p, s_pool_s, s_bt_b, s_mb, s_mt, s_mn,
     s_ob, s_ot, s_oh,
     qk_scale_log2,
-    BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, HAS_MASK: gl.constexpr,
+    BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, HAS_MASK: gl.constexpr,
     ONE_SPLIT: gl.constexpr, ACC_S: gl.constexpr, ACC_O: gl.constexpr, CL: gl.constexpr, PL: gl.constexpr,
     Q_SMEM: gl.constexpr, QPE_SMEM: gl.constexpr, C_SMEM: gl.constexpr, PE_SMEM: gl.constexpr,
     P_SMEM: gl.constexpr,
@@ -100,11 +100,15 @@ def _mla_split_gluon(
     start = sp * SPLIT_LEN
     end = gl.minimum(start + SPLIT_LEN, L)
     n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+    RL: gl.constexpr = gl.SliceLayout(1, CL)
     for i in gl.static_range(STAGES - 1):
         if i < n_tiles:
-            _issue(POOL, BT, b64, s_bt_b, s_pool_p, s_pool_s, start + i * BLOCK_N, end, c_ring, pe_ring, i,
-                   BLOCK_N, PAGE, CL, PL)
+            _issue(_tile_rows(POOL, BT, b64, s_bt_b, s_pool_p, s_pool_s, start + i * BLOCK_N, end, BLOCK_N, PAGE, RL),
+                   c_ring, pe_ring, i, CL, PL)
         cp.commit_group()
+    if AHEAD:  # the block-table entries of the next tile to copy, read an iteration early (off the critical path)
+        base_next = _tile_rows(POOL, BT, b64, s_bt_b, s_pool_p, s_pool_s, start + (STAGES - 1) * BLOCK_N, end,
+                               BLOCK_N, PAGE, RL)
 
     m_i = gl.full([BM], float("-inf"), gl.float32, layout=gl.SliceLayout(1, ACC_S))
     l_i = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, ACC_S))
@@ -114,22 +118,28 @@ def _mla_split_gluon(
         fence_async_shared()  # are visible to wgmma's async proxy,
         gl.thread_barrier()  # and so are everyone's; everyone is done with tile j - 1 (its buffers, P)
         jn = j + STAGES - 1
-        if jn < n_tiles:
-            _issue(POOL, BT, b64, s_bt_b, s_pool_p, s_pool_s, start + jn * BLOCK_N, end, c_ring, pe_ring,
-                   jn % STAGES, BLOCK_N, PAGE, CL, PL)
+        if AHEAD:
+            if jn < n_tiles:
+                _issue(base_next, c_ring, pe_ring, jn % STAGES, CL, PL)
+            base_next = _tile_rows(POOL, BT, b64, s_bt_b, s_pool_p, s_pool_s, start + (jn + 1) * BLOCK_N, end,
+                                   BLOCK_N, PAGE, RL)
+        else:
+            if jn < n_tiles:
+                _issue(_tile_rows(POOL, BT, b64, s_bt_b, s_pool_p, s_pool_s, start + jn * BLOCK_N, end, BLOCK_N,
+                                  PAGE, RL), c_ring, pe_ring, jn % STAGES, CL, PL)
         cp.commit_group()
+        n = start + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, ACC_S))
+        if HAS_MASK:  # loaded before the products, which hide its latency
+            mk = gl.load(MASK + b64 * s_mb + (rows // H)[:, None] * s_mt + n[None, :] * s_mn,
+                         mask=(rows < M_ROWS)[:, None] & (n[None, :] < end), other=0)
         st = j % STAGES
         c_tile = c_ring.index(st)
         s = warpgroup_mma(q_smem, c_tile.permute((1, 0)), gl.zeros([BM, BLOCK_N], gl.float32, layout=ACC_S),
                           use_acc=False)
         s = warpgroup_mma(qpe_smem, pe_ring.index(st).permute((1, 0)), s)
         s = s * qk_scale_log2
-        n = start + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, ACC_S))
         visible = (n[None, :] < end) & (n[None, :] < limit[:, None])
         if HAS_MASK:
-            t = rows // H
-            mk = gl.load(MASK + b64 * s_mb + t[:, None] * s_mt + n[None, :] * s_mn,
-                         mask=(rows < M_ROWS)[:, None] & (n[None, :] < end), other=0)
             visible = visible & (mk != 0)
         s = gl.where(visible, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
@@ -161,10 +171,10 @@ def _mla_split_gluon(
         gl.store(PART_O + part[:, None] * R + offs_r, out, mask=ok_o)
 
 
-def _constexprs(block_n: int, stages: int, page: int, dtype: torch.dtype) -> dict:
+def _constexprs(block_n: int, stages: int, page: int, dtype: torch.dtype, ahead: bool = True) -> dict:
     gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     return dict(
-        BLOCK_N=block_n, PAGE=page, STAGES=stages,
+        BLOCK_N=block_n, PAGE=page, STAGES=stages, AHEAD=ahead,
         # warps [4, 2]: the four warps of a warpgroup over the 64 rows, the two warpgroups over the columns
         ACC_S=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, block_n // 2, 16]),
         ACC_O=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16]),
@@ -186,7 +196,7 @@ def gluon_mla_available(device: torch.device, r: int, dr: int, dtype: torch.dtyp
 
 
 def mla_split_gluon(grid, args: tuple, *, block_n: int, stages: int, page: int, has_mask: bool, one_split: bool,
-                    dtype: torch.dtype) -> None:
+                    dtype: torch.dtype, ahead: bool = True) -> None:
     """Launch the split kernel over `grid` = (row blocks of 64, B, splits) with `triton_decode`'s arguments."""
     _mla_split_gluon[grid](*args, HAS_MASK=has_mask, ONE_SPLIT=one_split,
-                           **_constexprs(block_n, stages, page, dtype), num_warps=8)
+                           **_constexprs(block_n, stages, page, dtype, ahead), num_warps=8)

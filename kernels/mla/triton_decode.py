@@ -25,6 +25,7 @@ except ImportError as e:  # the model imports this module only when `k3_mla_page
         "attn_implementation='k3_mla_paged' needs Triton (`pip install triton`) and a CUDA GPU"
     ) from e
 
+from ..dispatch import _warn_once
 from .reference import check_paged_inputs
 
 
@@ -152,6 +153,18 @@ def _mla_merge_kernel(
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
 
 
+def _gluon_unavailable(device: torch.device, r: int, dr: int, dtype: torch.dtype) -> str | None:
+    """Why the Gluon split kernel cannot run here, or None if it can."""
+    try:
+        from .gluon_decode import gluon_mla_available
+    except ImportError as exc:  # triton without Gluon (older than 3.5)
+        return f"this triton has no Gluon ({exc})"
+    if not gluon_mla_available(device, r, dr, dtype):
+        return (f"the Gluon kernel needs a compute capability 9.x CUDA device, r = 512, dr = 64 and a bf16 / fp16 "
+                f"cache; got {device}, r = {r}, dr = {dr}, {dtype}")
+    return None
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -160,7 +173,7 @@ def _num_sms(device: torch.device) -> int:
 
 def mla_paged_decode(
     q_lat, q_pe, pool, block_table, lengths, scale, *, mask=None, out=None, max_len=None,
-    num_splits=None, block_m=None, block_n=None, num_warps=None, num_stages=None, gluon=False,
+    num_splits=None, block_m=None, block_n=None, num_warps=None, num_stages=None, gluon=None,
 ):
     """Attention of absorbed MLA queries over a paged latent cache.
 
@@ -170,8 +183,10 @@ def mla_paged_decode(
     (True = attend; ANDed with the causal rule), out: optional [B, Tq, H, r] to write into.
     Returns o_lat [B, Tq, H, r] in q_lat's dtype (softmax(scores) @ c; the caller applies W_uv). Query rows
     with no visible key get 0. `max_len` (default `n_blocks * page`) bounds the split sizes without a sync.
-    `gluon=True` runs the split kernel of `gluon_decode` (Hopper, r = 512, dr = 64, 16-bit cache; block_m 64,
-    block_n 32 or 64 (default 64), num_stages = its ring buffers, default 2; num_warps does not apply).
+    `gluon`: True runs the split kernel of `gluon_decode` (Hopper, r = 512, dr = 64, 16-bit cache; block_m 64,
+    block_n 32 or 64 (default 64), num_stages = its ring buffers, default 2; num_warps does not apply) and raises
+    where it cannot run; False the Triton kernel; None (default) the Gluon one where it can run and no Triton
+    launch parameter is given, else the Triton one (warning once when only the device is missing).
     """
     B, Tq, H, r, dr = check_paged_inputs(q_lat, q_pe, pool, block_table, lengths, mask)
     page = pool.shape[1]
@@ -190,12 +205,17 @@ def mla_paged_decode(
 
     m_rows = Tq * H
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if gluon:
-        from .gluon_decode import gluon_mla_available
-
-        if not gluon_mla_available(q.device, r, dr, pool.dtype):
-            raise RuntimeError(f"mla_paged_decode(gluon=True) needs a compute capability 9.x CUDA device, r = 512, "
-                               f"dr = 64 and a bf16 / fp16 cache; got {q.device}, r = {r}, dr = {dr}, {pool.dtype}")
+    if gluon is None:
+        gluon = (r, dr) == (512, 64) and pool.dtype in (torch.bfloat16, torch.float16) and all(
+            v is None for v in (block_m, block_n, num_warps, num_stages))
+        why = _gluon_unavailable(q.device, r, dr, pool.dtype) if gluon else None
+        if why is not None:
+            _warn_once("mla-gluon", f"transformers-k3: MLA decode uses the Triton split kernel ({why})")
+            gluon = False
+    elif gluon:
+        why = _gluon_unavailable(q.device, r, dr, pool.dtype)
+        if why is not None:
+            raise RuntimeError(f"mla_paged_decode(gluon=True): {why}")
         if block_m not in (None, 64) or block_n not in (None, 32, 64) or num_warps is not None:
             raise ValueError("mla_paged_decode(gluon=True): block_m must be 64, block_n 32 or 64, num_warps unset")
         block_m, block_n, num_stages = 64, block_n or 64, num_stages or 2

@@ -7,6 +7,7 @@ accumulation, P rounded to bf16 before its product, so rel_err <= 2e-2 against t
 inputs.
 """
 
+import logging
 import math
 
 import pytest
@@ -75,6 +76,32 @@ def test_mask_and_the_triton_kernel():
     assert rel_err(got.float(), mla_paged_decode(q_lat, q_pe, pool, table, lens, 0.1, mask=mask).float()) <= 2e-2
     unmasked = mla_paged_decode_reference(q_lat, q_pe, pool, table, lens, 0.1)
     assert rel_err(got[1:].float(), unmasked[1:].float()) > 1e-2  # the mask really changed something
+
+
+def test_default_choice(monkeypatch, caplog):
+    """By default K3's shapes run on the Gluon kernel where it can run; a Triton launch parameter, or a device
+    without it, picks the Triton kernel (warning once in the second case), with the same result."""
+    from k3_kernels import dispatch
+    from k3_kernels.mla import gluon_decode
+
+    calls = []
+    orig = gluon_decode.mla_split_gluon
+    monkeypatch.setattr(gluon_decode, "mla_split_gluon", lambda *a, **kw: calls.append(1) or orig(*a, **kw))
+    monkeypatch.setattr(dispatch, "_warned", set())
+    q_lat, q_pe, pool, table, lens = _inputs([5, 70], 4, 1, 16, seed=2)
+    want = mla_paged_decode_reference(q_lat, q_pe, pool, table, lens, 0.1)
+    if HOPPER:
+        got = mla_paged_decode(q_lat, q_pe, pool, table, lens, 0.1)
+        assert calls == [1]
+        assert rel_err(got.float(), want.float()) <= 2e-2
+        mla_paged_decode(q_lat, q_pe, pool, table, lens, 0.1, block_n=32)
+        assert calls == [1]
+    else:  # the Triton kernel under the interpreter
+        with caplog.at_level(logging.WARNING, logger=dispatch.__name__):
+            for _ in range(2):
+                got = mla_paged_decode(q_lat, q_pe, pool, table, lens, 0.1)
+        assert sum("MLA decode uses the Triton split kernel" in r.getMessage() for r in caplog.records) == 1
+        assert calls == [] and rel_err(got.float(), want.float()) <= 2e-2
 
 
 def test_bad_requests():
