@@ -218,6 +218,7 @@ def mla_paged_decode(
             raise RuntimeError(f"mla_paged_decode(gluon=True): {why}")
         if block_m not in (None, 64) or block_n not in (None, 32, 64) or num_warps is not None:
             raise ValueError("mla_paged_decode(gluon=True): block_m must be 64, block_n 32 or 64, num_warps unset")
+    if gluon:
         block_m, block_n, num_stages = 64, block_n or 64, num_stages or 2
     block_r = max(16, triton.next_power_of_2(r))
     block_pe = max(16, triton.next_power_of_2(dr)) if dr else 16
