@@ -16,8 +16,18 @@ merge (`triton_decode._mla_merge_kernel`), and changes how a tile is multiplied:
   as bf16, and O `[64, 512]` += P C with C the same shared tile read as the right operand with its 512 columns
   contiguous; each warpgroup holds half of O's columns (128 fp32 registers a thread).
 
-K3's shapes only (r = 512, dr = 64, 16-bit caches); `triton_decode.mla_paged_decode` picks it (see `gluon`).
-Gluon does not run under `TRITON_INTERPRET`: its tests run on a GPU (`tests/kernels/test_mla_gluon.py`).
+- The block-table entries of the next tile to copy are read an iteration early, off the critical path (12 % at
+  B = 64, L = 32K).
+
+Measured on the H100 (BENCHMARKS.md, twenty-third session), B = 64, L = 32K, H = 96: 1.54 ms against 3.36 for the
+Triton kernel and 4.36 for the torch absorbed bmm; 1.51 ms over one L2-resident page, so the products bound it,
+not the loads: 390 TFLOP/s over the 128 padded rows of 96 heads, about 40 % of the tensor cores, with the score
+product, the softmax and the value product in turn within one program an SM (shared memory holds one program).
+64-token tiles beat 32-token ones by 1.4x (2 x 32 keys a warpgroup per wgmma instead of 2 x 16).
+
+K3's shapes only (r = 512, dr = 64, 16-bit caches); `triton_decode.mla_paged_decode` picks it by default where it
+runs (see `gluon`). Gluon does not run under `TRITON_INTERPRET`: its tests run on a GPU
+(`tests/kernels/test_mla_gluon.py`).
 """
 
 from __future__ import annotations
