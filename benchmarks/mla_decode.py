@@ -1,14 +1,17 @@
-"""Absorbed-MLA decode on one GPU: the paged Triton kernel vs the torch absorbed bmm-softmax-bmm vs SDPA.
+"""Absorbed-MLA decode on one GPU: our paged kernels vs the torch absorbed bmm-softmax-bmm vs SDPA.
 
 One layer, K3 shapes (H from the released config, r = 512, dr = 64), bf16, one query token per sequence, a
 paged pool with shuffled page ids (page size 64, the config default). Every method is first checked against
 an fp32 torch reference on the same latent; then timed with `triton.testing.do_bench_cudagraph` (median, the
-decode setting) and, for ours, also with `do_bench` (eager, L2 flushed between calls).
+decode setting) and, for ours, also with `do_bench` (eager, L2 flushed between calls). "ours" is the default of
+`mla_paged_decode` (the Gluon split kernel on Hopper at these shapes); the Triton kernel is timed beside it.
 TB/s counts the unavoidable traffic, the latent `B * L * 576 * 2` bytes, for every method (SDPA really reads
 more: the expanded K/V); the ceiling is the 4.27 TB/s copy bandwidth of notes/performance.md.
 
     pip install -e . --no-deps --no-build-isolation && python benchmarks/mla_decode.py   # with a config sweep
     python benchmarks/mla_decode.py --quick    # the heuristic default config only
+    python benchmarks/mla_decode.py --quick --probe   # + what bounds the kernels: each over one L2-resident page
+                                                      #   (the products alone), the Triton kernel's loads alone
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import pathlib
 
 import torch
 import triton
+import triton.language as tl
 from triton.testing import do_bench, do_bench_cudagraph
 
 from k3_kernels.mla.triton_decode import mla_paged_decode
@@ -32,6 +36,46 @@ SWEEP = [(64, 32, 8, 2), (64, 16, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2), (32, 32
          (64, 64, 8, 1), (16, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 8, 2),
          (128, 64, 8, 2), (32, 64, 4, 3), (64, 32, 4, 2, 4), (64, 64, 4, 2, 8), (64, 64, 16, 2), (64, 32, 16, 2),
          (128, 16, 16, 1), (64, 32, 8, 2, 4), (64, 32, 8, 2, 8)]
+GLUON_SWEEP = [(32, 2), (32, 3)]  # (block_n, ring buffers) of the Gluon kernel beside its default (64, 2)
+
+
+@triton.jit
+def _loads_only(POOL, BT, OUT, SPLIT_LEN, L, s_pool_p, s_pool_s, s_bt_b,
+                R: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+    """The Triton split kernel's tile loads (latent and rope parts, through the block table) and a sum instead of
+    its products: what its paged loads alone cost on its grid (head blocks, B, splits)."""
+    b = tl.program_id(1)
+    sp = tl.program_id(2)
+    offs_r = tl.arange(0, R)
+    offs_pe = tl.arange(0, DR)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    start = sp * SPLIT_LEN
+    end = tl.minimum(start + SPLIT_LEN, L)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        page = tl.load(BT + b * s_bt_b + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        base = POOL + page * s_pool_p + (n % PAGE).to(tl.int64) * s_pool_s
+        acc += tl.sum(tl.load(base[:, None] + offs_r[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32), 1)
+        acc += tl.sum(tl.load(base[:, None] + R + offs_pe[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32), 1)
+    tl.store(OUT + (b * tl.num_programs(2) + sp) * tl.num_programs(0) + tl.program_id(0), tl.sum(acc, 0))
+
+
+def probe(B, L, H, pool, table, lengths, q_lat, q_pe, scale, nbytes):
+    """Each kernel over one L2-resident page (every block-table entry page 0: its products alone), and the Triton
+    kernel's paged loads alone at a few launches."""
+    one_page = torch.zeros_like(table)
+    for name, gluon in (("Gluon", None), ("Triton", False)):
+        t = bench(lambda: mla_paged_decode(q_lat, q_pe, pool, one_page, lengths, scale, max_len=L, gluon=gluon))
+        print(f"  probe: {name} kernel over one L2-resident page {t:.4f} ms ({nbytes / t / 1e9:.2f} TB/s)")
+    out = torch.empty(B * 64 * 2, device="cuda")
+    for bn, warps, stages, splits in [(32, 8, 2, 2), (64, 8, 3, 2), (32, 4, 2, 4)]:
+        grid = (triton.cdiv(H, 64), B, splits)  # the Triton kernel's grid: head blocks (each re-reads), B, splits
+        t = bench(lambda: _loads_only[grid](pool, table, out, triton.cdiv(L, splits), L, pool.stride(0),
+                                            pool.stride(1), table.stride(0), R=R, DR=DR, BLOCK_N=bn, PAGE=PAGE,
+                                            num_warps=warps, num_stages=stages))
+        print(f"  probe: Triton kernel's loads alone, BLOCK_N {bn}, {warps} warps, {stages} stages, {splits} splits: "
+              f"{t:.4f} ms ({nbytes / t / 1e9:.2f} TB/s)")
 
 
 def heads_from_config() -> int:
@@ -92,6 +136,7 @@ def main():
     ap.add_argument("--heads", type=int, default=heads_from_config())
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--lengths", default="8192,32768,131072")
+    ap.add_argument("--probe", action="store_true", help="also the one-L2-page and loads-alone probes")
     args = ap.parse_args()
     H = args.heads
     scale = (128 + DR) ** -0.5
@@ -114,7 +159,7 @@ def main():
             status = "ok" if e_ours <= tol and e_torch <= tol else "MISMATCH"
             print(f"B={B} L={L}: rel err ours {e_ours:.2e}, torch {e_torch:.2e} ({status})", flush=True)
             if e_ours > tol:
-                raise SystemExit(f"the Triton kernel is wrong at B={B} L={L}: rel err {e_ours:.3e}")
+                raise SystemExit(f"our kernel is wrong at B={B} L={L}: rel err {e_ours:.3e}")
 
             best, best_cfg = bench(lambda: mla_paged_decode(q_lat, q_pe, pool, table, lengths, scale, max_len=L)), "default"
             t_default = best
@@ -133,6 +178,16 @@ def main():
                 print(f"  config {cfg}: {t * 1e3:.1f} us")
                 if t < best:
                     best, best_cfg = t, str(cfg)
+            for bn, ns in ([] if args.quick else GLUON_SWEEP):
+                kw = dict(block_n=bn, num_stages=ns, max_len=L, gluon=True)
+                t = bench(lambda: mla_paged_decode(q_lat, q_pe, pool, table, lengths, scale, **kw))
+                print(f"  Gluon block_n {bn}, {ns} buffers: {t * 1e3:.1f} us")
+                if t < best:
+                    best, best_cfg = t, f"gluon {bn}/{ns}"
+            t_triton = bench(lambda: mla_paged_decode(q_lat, q_pe, pool, table, lengths, scale, max_len=L,
+                                                      gluon=False))
+            if args.probe:
+                probe(B, L, H, pool, table, lengths, q_lat, q_pe, scale, nbytes)
             t_eager = do_bench(lambda: mla_paged_decode(q_lat, q_pe, pool, table, lengths, scale, max_len=L),
                                return_mode="median")
             t_torch = bench(lambda: torch_absorbed(q_lat, q_pe, latent, scale))
@@ -145,18 +200,19 @@ def main():
                 q = torch.randn(B, H, 1, 128 + DR, device="cuda", dtype=torch.bfloat16, generator=gen)
                 t_sdpa = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale))
                 del k, v, q
-            rows.append((B, L, nbytes, best, best_cfg, t_default, t_eager, t_torch, t_sdpa))
+            rows.append((B, L, nbytes, best, best_cfg, t_default, t_triton, t_eager, t_torch, t_sdpa))
             del pool, table, latent, ref, ours
 
     def tbs(ms, n):
         return n / (ms * 1e-3) / 1e12
 
-    print("\n| B | L | latent MB | ours best ms (config) | TB/s | % of 4.27 | ours default ms | ours eager ms "
-          "(L2 flushed) | torch bmm ms | TB/s | SDPA ms | speed-up vs torch |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for B, L, n, best, cfg, t_def, t_eager, t_torch, t_sdpa in rows:
+    print("\n| B | L | latent MB | ours best ms (config) | TB/s | % of 4.27 | ours default ms | Triton kernel ms | "
+          "ours eager ms (L2 flushed) | torch bmm ms | TB/s | SDPA ms | speed-up vs torch |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for B, L, n, best, cfg, t_def, t_triton, t_eager, t_torch, t_sdpa in rows:
         print(f"| {B} | {L} | {n / 1e6:.0f} | {best:.4f} ({cfg}) | {tbs(best, n):.2f} | "
-              f"{100 * tbs(best, n) / CEILING_TBS:.0f} % | {t_def:.4f} | {t_eager:.4f} | {t_torch:.4f} | "
+              f"{100 * tbs(best, n) / CEILING_TBS:.0f} % | {t_def:.4f} | {t_triton:.4f} | {t_eager:.4f} | "
+              f"{t_torch:.4f} | "
               f"{tbs(t_torch, n):.2f} | {'-' if math.isnan(t_sdpa) else f'{t_sdpa:.4f}'} | {t_torch / best:.1f}x |")
     print("\nTimes: do_bench_cudagraph medians (decode runs inside a CUDA graph); rows whose latent is under the "
           "60 MB L2 may be flattered there, the eager column flushes L2 between calls. SDPA '-': the expanded "

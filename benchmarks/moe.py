@@ -23,6 +23,12 @@ figures moved by up to 7 % between identical configs); `--kernel-times` adds eac
 
     . scripts/device_env.sh && python3 benchmarks/moe.py --sweep --tokens 8192 16384 2048 --formats bf16 \
         --orders expert --rounds 3 --kernel-times
+
+`--gluon-sweep` times the Gluon MXFP4 decode kernels (`gluon_moe`) over their launch overrides (ring buffers,
+K step, token slots: `GLUON_SWEEP`) beside `torch._grouped_mm` and the Triton tiles, `--rounds` interleaved rounds,
+each variant checked against the default's output, with each kernel's profiler time at 64 tokens:
+
+    . scripts/device_env.sh && python3 benchmarks/moe.py --gluon-sweep --tokens 8 64 256 --rounds 5
 """
 
 import argparse
@@ -273,6 +279,45 @@ def sweep(args, E, k, D, I, dev, fp4, gate_up, down):
               f"{flops / peer / 1e9:.1f} | 1.00x | | |", flush=True)
 
 
+GLUON_SWEEP = {"default (2 buffers, K step 4)": {}, "3 buffers": dict(stages=3), "4 buffers": dict(stages=4),
+               "K step 2": dict(k_step=2), "3 buffers, K step 2": dict(stages=3, k_step=2),
+               "16 token slots": dict(token_slots=16)}
+
+
+def gluon_sweep(args, E, k, D, dev, fp4, gate_up, down):
+    """The Gluon decode kernels at each `GLUON_SWEEP` launch, `grouped_mm` and the Triton tiles beside them."""
+    from k3_kernels.moe.gluon_moe import moe_experts_gluon
+
+    w = (fp4["w13_packed"], fp4["w13_scale"], fp4["w2_packed"], fp4["w2_scale"])
+    print(f"Gluon MXFP4 decode, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    for N in args.tokens:
+        x, top_idx, top_w, touched = _tokens(N, E, k, D, dev)
+        paths = {"torch._grouped_mm bf16": lambda: grouped_mm_experts(x, top_idx, top_w, gate_up, down),
+                 "Triton MXFP4 tiles": lambda: moe_experts_triton(x, top_idx, top_w, **fp4, config={"gluon": False})}
+        for name, kw in GLUON_SWEEP.items():
+            paths[f"Gluon, {name}"] = (lambda kw: lambda: moe_experts_gluon(x, top_idx, top_w, *w, **kw))(kw)
+        want = moe_experts_gluon(x, top_idx, top_w, *w).float()
+        for name, kw in GLUON_SWEEP.items():
+            err = ((moe_experts_gluon(x, top_idx, top_w, *w, **kw).float() - want).abs().max() / want.abs().max())
+            assert err.item() < 1e-3, f"Gluon {name} N={N}: rel err {err.item()}"
+        times = {name: [] for name in paths}
+        for _ in range(args.rounds):
+            for name, fn in paths.items():
+                times[name].append(_bench(fn, dev))
+        peer = times["torch._grouped_mm bf16"]
+        print(f"\n{N} tokens, {touched} experts touched, {args.rounds} rounds\n")
+        print("| path | best ms | spread | vs grouped_mm: best / median / worst round |")
+        print("| --- | --- | --- | --- |")
+        for name, t in times.items():
+            med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+            print(f"| {name} | {min(t):.3f} | {100 * (max(t) / min(t) - 1):.1f} % | {min(peer) / min(t):.2f}x / "
+                  f"{med(peer) / med(t):.2f}x / {max(peer) / max(t):.2f}x |", flush=True)
+        if N == 64:
+            for name, fn in paths.items():
+                if name.startswith("Gluon"):
+                    print(f"{name}: kernels {_kernel_ms(fn)}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--experts", type=int, default=896)
@@ -287,6 +332,7 @@ def main():
     ap.add_argument("--formats", default="mxfp4,bf16", help="weight formats the sweep times")
     ap.add_argument("--rounds", type=int, default=1, help="sweep: time every config this many times, interleaved")
     ap.add_argument("--kernel-times", action="store_true", help="sweep: add each kernel's time (torch.profiler)")
+    ap.add_argument("--gluon-sweep", action="store_true", help="time the Gluon decode kernels' launch overrides")
     args = ap.parse_args()
     # top-k capped at the expert count, so a smoke run with few experts keeps the default --top-k
     E, k, (D, I), dev = args.experts, min(args.top_k, args.experts), args.dims, args.device
@@ -307,6 +353,8 @@ def main():
         fp4 = None
     if args.sweep:
         return sweep(args, E, k, D, I, dev, fp4, gate_up, down)
+    if args.gluon_sweep:
+        return gluon_sweep(args, E, k, D, dev, fp4, gate_up, down)
     rows = []
     for N in args.tokens:
         x, top_idx, top_w, touched = _tokens(N, E, k, D, dev)

@@ -15,9 +15,8 @@ merge (`triton_decode._mla_merge_kernel`), and changes how a tile is multiplied:
 - Online softmax in fp32 (exp2, the Triton kernel's rules for rows with no visible key); P goes to shared memory
   as bf16, and O `[64, 512]` += P C with C the same shared tile read as the right operand with its 512 columns
   contiguous; each warpgroup holds half of O's columns (128 fp32 registers a thread).
-
-- The block-table entries of the next tile to copy are read an iteration early, off the critical path (12 % at
-  B = 64, L = 32K).
+- The block-table entries of the next tile to copy are read an iteration early, off the critical path (reading
+  them just before the copies was 12 % slower at B = 64, L = 32K).
 
 Measured on the H100 (BENCHMARKS.md, twenty-third session), B = 64, L = 32K, H = 96: 1.54 ms against 3.36 for the
 Triton kernel and 4.36 for the torch absorbed bmm; 1.51 ms over one L2-resident page, so the products bound it,
@@ -76,7 +75,7 @@ def _mla_split_gluon(
     s_pool_p, s_pool_s, s_bt_b, s_mb, s_mt, s_mn,
     s_ob, s_ot, s_oh,
     qk_scale_log2,
-    BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, HAS_MASK: gl.constexpr,
+    BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, HAS_MASK: gl.constexpr,
     ONE_SPLIT: gl.constexpr, ACC_S: gl.constexpr, ACC_O: gl.constexpr, CL: gl.constexpr, PL: gl.constexpr,
     Q_SMEM: gl.constexpr, QPE_SMEM: gl.constexpr, C_SMEM: gl.constexpr, PE_SMEM: gl.constexpr,
     P_SMEM: gl.constexpr,
@@ -116,9 +115,9 @@ def _mla_split_gluon(
             _issue(_tile_rows(POOL, BT, b64, s_bt_b, s_pool_p, s_pool_s, start + i * BLOCK_N, end, BLOCK_N, PAGE, RL),
                    c_ring, pe_ring, i, CL, PL)
         cp.commit_group()
-    if AHEAD:  # the block-table entries of the next tile to copy, read an iteration early (off the critical path)
-        base_next = _tile_rows(POOL, BT, b64, s_bt_b, s_pool_p, s_pool_s, start + (STAGES - 1) * BLOCK_N, end,
-                               BLOCK_N, PAGE, RL)
+    # the block-table entries of the next tile to copy, read an iteration early (off the critical path)
+    base_next = _tile_rows(POOL, BT, b64, s_bt_b, s_pool_p, s_pool_s, start + (STAGES - 1) * BLOCK_N, end,
+                           BLOCK_N, PAGE, RL)
 
     m_i = gl.full([BM], float("-inf"), gl.float32, layout=gl.SliceLayout(1, ACC_S))
     l_i = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, ACC_S))
@@ -128,15 +127,10 @@ def _mla_split_gluon(
         fence_async_shared()  # are visible to wgmma's async proxy,
         gl.thread_barrier()  # and so are everyone's; everyone is done with tile j - 1 (its buffers, P)
         jn = j + STAGES - 1
-        if AHEAD:
-            if jn < n_tiles:
-                _issue(base_next, c_ring, pe_ring, jn % STAGES, CL, PL)
-            base_next = _tile_rows(POOL, BT, b64, s_bt_b, s_pool_p, s_pool_s, start + (jn + 1) * BLOCK_N, end,
-                                   BLOCK_N, PAGE, RL)
-        else:
-            if jn < n_tiles:
-                _issue(_tile_rows(POOL, BT, b64, s_bt_b, s_pool_p, s_pool_s, start + jn * BLOCK_N, end, BLOCK_N,
-                                  PAGE, RL), c_ring, pe_ring, jn % STAGES, CL, PL)
+        if jn < n_tiles:
+            _issue(base_next, c_ring, pe_ring, jn % STAGES, CL, PL)
+        base_next = _tile_rows(POOL, BT, b64, s_bt_b, s_pool_p, s_pool_s, start + (jn + 1) * BLOCK_N, end,
+                               BLOCK_N, PAGE, RL)
         cp.commit_group()
         n = start + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, ACC_S))
         if HAS_MASK:  # loaded before the products, which hide its latency
@@ -181,10 +175,10 @@ def _mla_split_gluon(
         gl.store(PART_O + part[:, None] * R + offs_r, out, mask=ok_o)
 
 
-def _constexprs(block_n: int, stages: int, page: int, dtype: torch.dtype, ahead: bool = True) -> dict:
+def _constexprs(block_n: int, stages: int, page: int, dtype: torch.dtype) -> dict:
     gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     return dict(
-        BLOCK_N=block_n, PAGE=page, STAGES=stages, AHEAD=ahead,
+        BLOCK_N=block_n, PAGE=page, STAGES=stages,
         # warps [4, 2]: the four warps of a warpgroup over the 64 rows, the two warpgroups over the columns
         ACC_S=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, block_n // 2, 16]),
         ACC_O=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16]),
@@ -206,7 +200,7 @@ def gluon_mla_available(device: torch.device, r: int, dr: int, dtype: torch.dtyp
 
 
 def mla_split_gluon(grid, args: tuple, *, block_n: int, stages: int, page: int, has_mask: bool, one_split: bool,
-                    dtype: torch.dtype, ahead: bool = True) -> None:
+                    dtype: torch.dtype) -> None:
     """Launch the split kernel over `grid` = (row blocks of 64, B, splits) with `triton_decode`'s arguments."""
     _mla_split_gluon[grid](*args, HAS_MASK=has_mask, ONE_SPLIT=one_split,
-                           **_constexprs(block_n, stages, page, dtype, ahead), num_warps=8)
+                           **_constexprs(block_n, stages, page, dtype), num_warps=8)
