@@ -184,9 +184,10 @@ def mla_paged_decode(
     Returns o_lat [B, Tq, H, r] in q_lat's dtype (softmax(scores) @ c; the caller applies W_uv). Query rows
     with no visible key get 0. `max_len` (default `n_blocks * page`) bounds the split sizes without a sync.
     `gluon`: True runs the split kernel of `gluon_decode` (Hopper, r = 512, dr = 64, 16-bit cache; block_m 64,
-    block_n 32 or 64 (default 64), num_stages = its ring buffers, default 2; num_warps does not apply) and raises
-    where it cannot run; False the Triton kernel; None (default) the Gluon one where it can run and no Triton
-    launch parameter is given, else the Triton one (warning once when only the device is missing).
+    block_n 32 or 64 (default 64), num_stages = its ring buffers, 2 (default) or 3 with block_n 32; num_warps
+    does not apply) and raises where it cannot run; False the Triton kernel; None (default) the Gluon one where
+    it can run and no Triton launch parameter is given, else the Triton one (warning once when only the device
+    is missing).
     """
     B, Tq, H, r, dr = check_paged_inputs(q_lat, q_pe, pool, block_table, lengths, mask)
     page = pool.shape[1]
@@ -218,6 +219,10 @@ def mla_paged_decode(
             raise RuntimeError(f"mla_paged_decode(gluon=True): {why}")
         if block_m not in (None, 64) or block_n not in (None, 32, 64) or num_warps is not None:
             raise ValueError("mla_paged_decode(gluon=True): block_m must be 64, block_n 32 or 64, num_warps unset")
+        if num_stages not in (None, 2, 3) or (num_stages == 3 and block_n != 32):
+            # two 64-token buffers and the queries fill the 227 KB of shared memory
+            raise ValueError(f"mla_paged_decode(gluon=True): num_stages (ring buffers) must be 2, or 3 with "
+                             f"block_n=32; got {num_stages} with block_n={block_n}")
     if gluon:
         block_m, block_n, num_stages = 64, block_n or 64, num_stages or 2
     block_r = max(16, triton.next_power_of_2(r))

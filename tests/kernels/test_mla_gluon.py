@@ -112,6 +112,8 @@ def test_bad_requests():
         return
     with pytest.raises(ValueError, match="block_n 32 or 64"):
         mla_paged_decode(q_lat, q_pe, pool, table, lens, 0.1, gluon=True, block_n=128)
+    with pytest.raises(ValueError, match="num_stages"):
+        mla_paged_decode(q_lat, q_pe, pool, table, lens, 0.1, gluon=True, num_stages=3)  # 64-token buffers
     with pytest.raises(RuntimeError, match="r = 512"):
         mla_paged_decode(q_lat[..., :256].contiguous(), q_pe, pool[..., 256:].contiguous(), table, lens, 0.1,
                          gluon=True)
