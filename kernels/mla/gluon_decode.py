@@ -31,6 +31,8 @@ runs (see `gluon`). Gluon does not run under `TRITON_INTERPRET`: its tests run o
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -175,6 +177,8 @@ def _mla_split_gluon(
         gl.store(PART_O + part[:, None] * R + offs_r, out, mask=ok_o)
 
 
+# Cached: built once per shape (tens of microseconds of Python a launch otherwise); callers must not mutate it.
+@functools.lru_cache(maxsize=None)
 def _constexprs(block_n: int, stages: int, page: int, dtype: torch.dtype) -> dict:
     gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     return dict(

@@ -12,6 +12,7 @@ This module imports Triton at the top: import it lazily (the model does, only wh
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -123,33 +124,46 @@ def _mla_paged_split_kernel(
 @triton.jit(do_not_specialize=["N_SPLITS"])
 def _mla_merge_kernel(
     PART_O, PART_LSE, O, H, M_ROWS, N_SPLITS, s_ob, s_ot, s_oh,
-    R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
+    R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, LSE_S: tl.constexpr,
 ):
+    """out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse), for BLOCK_M rows and BLOCK_R columns.
+
+    Why two passes and BLOCK_S splits a step: a running (online) merge waits for each split's load before the
+    next is issued, so a program's time is N_SPLITS memory latencies; at B = 1 (64 splits, 6 programs) that
+    was most of the decode step. Here the largest lse comes first (one small load), then the weighted sums
+    load BLOCK_S splits' partials at once, and programs also cover R in BLOCK_R slices."""
     b = tl.program_id(0)
     mb = tl.program_id(1)
+    rb = tl.program_id(2)
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M_ROWS
     t = rows // H
     h = rows % H
-    offs_r = tl.arange(0, BLOCK_R)
+    offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < R
-    b64 = b.to(tl.int64)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    base = b.to(tl.int64) * N_SPLITS  # PART_* are [B, N_SPLITS, M_ROWS(, R)]
+
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, N_SPLITS, LSE_S):
+        sp = s0 + tl.arange(0, LSE_S)
+        lse = tl.load(PART_LSE + (base + sp)[:, None] * M_ROWS + rows[None, :],
+                      mask=(sp < N_SPLITS)[:, None] & row_ok[None, :], other=float("-inf"))  # [LSE_S, BLOCK_M]
+        m = tl.maximum(m, tl.max(lse, 0))
+    m = tl.where(m == float("-inf"), 0.0, m)  # rows no split saw: every weight is 0, out = 0
+
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for sp in range(0, N_SPLITS):
-        part = (b64 * N_SPLITS + sp) * M_ROWS + rows
-        lse = tl.load(PART_LSE + part, mask=row_ok, other=float("-inf"))
-        o = tl.load(PART_O + part[:, None] * R + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
-        m_new = tl.maximum(m_i, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        w = tl.exp2(lse - m_safe)
-        acc = acc * alpha[:, None] + w[:, None] * o
-        l_i = l_i * alpha + w
-        m_i = m_new
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for s0 in range(0, N_SPLITS, BLOCK_S):
+        sp = s0 + tl.arange(0, BLOCK_S)
+        ok = (sp < N_SPLITS)[:, None] & row_ok[None, :]
+        part = (base + sp)[:, None] * M_ROWS + rows[None, :]  # [BLOCK_S, BLOCK_M]
+        w = tl.exp2(tl.load(PART_LSE + part, mask=ok, other=float("-inf")) - m[None, :])
+        o = tl.load(PART_O + part[:, :, None] * R + offs_r[None, None, :],
+                    mask=ok[:, :, None] & r_ok[None, None, :], other=0.0)  # [BLOCK_S, BLOCK_M, BLOCK_R]
+        acc += tl.sum(w[:, :, None] * o, 0)
+        l_i += tl.sum(w, 0)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(O + b64 * s_ob + t[:, None] * s_ot + h[:, None] * s_oh + offs_r[None, :],
+    tl.store(O + b.to(tl.int64) * s_ob + t[:, None] * s_ot + h[:, None] * s_oh + offs_r[None, :],
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
 
 
@@ -169,6 +183,35 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # the CPU interpreter: a few splits, so the merge path is exercised too
+
+
+@functools.lru_cache(maxsize=256)
+def _split_count(programs: int, n_sms: int, max_splits: int) -> int:
+    """Splits a sequence's keys go into: as many as fill one wave of programs, or, past one wave, the fewest whose
+    waves come within 10 % of spreading the work over every SM.
+
+    A split program fills an SM (the Gluon kernel's shared memory, the Triton kernel's registers), so the time
+    goes as ceil(programs * s / n_sms) / s for s splits. Rounding the wave up instead of down (160 programs on 132
+    SMs: two waves) was 1.66x slower at B = 16, L = 32K on the H100 (BENCHMARKS.md, twenty-fourth session). More
+    splits than needed only add fp32 partials (splits * Tq * H * r * 8 bytes) to write and merge."""
+    if programs <= n_sms:
+        s = n_sms // programs
+    else:
+        s = next(s for s in range(1, n_sms + 1) if math.ceil(programs * s / n_sms) / s <= 1.1 * programs / n_sms)
+    return max(1, min(s, max_splits))
+
+
+def _merge(part_o, part_lse, out, H, m_rows, n_splits, r, interp):
+    """Launch `_mla_merge_kernel` over (B, 8-row blocks, 64-column slices): 96 programs at B = 1, H = 96, r = 512.
+    The interpreter takes smaller slices and split steps, so the tests cross their boundaries at small shapes."""
+    block_r = 16 if interp else 64
+    block_s = min(4 if interp else 16, triton.next_power_of_2(n_splits))  # [16, 8, 64] fp32: 64 registers a thread
+    grid = (out.shape[0], triton.cdiv(m_rows, 8), triton.cdiv(r, block_r))
+    _mla_merge_kernel[grid](
+        part_o, part_lse, out, H, m_rows, n_splits, out.stride(0), out.stride(1), out.stride(2),
+        R=r, BLOCK_R=block_r, BLOCK_M=8, BLOCK_S=block_s, LSE_S=min(4 if interp else 64, triton.next_power_of_2(n_splits)),
+        num_warps=4,
+    )
 
 
 def mla_paged_decode(
@@ -244,11 +287,9 @@ def mla_paged_decode(
     if mask is not None and mask.shape[2] < max_len:
         raise ValueError(f"mask covers {mask.shape[2]} keys but max_len is {max_len}: pass a wider mask or max_len")
     if num_splits is None:
-        # About one wave of programs: each streams its split with several tiles in flight, which covers the
-        # memory latency; more splits only add fp32 partials (splits * Tq * H * r * 8 bytes) to write and merge.
-        # Splits shorter than ~512 tokens cost more in the merge than they gain.
-        want = triton.cdiv(_num_sms(q.device), B * n_mblocks)
-        num_splits = max(1, min(want, triton.cdiv(max_len, 512 if not interp else 16)))
+        # Splits shorter than 256 tokens cost more in the merge than they gain (B = 1, L = 8K on the H100: 32
+        # splits 0.024 ms, 66 splits 0.025, 16 splits 0.034).
+        num_splits = _split_count(B * n_mblocks, _num_sms(q.device), triton.cdiv(max_len, 256 if not interp else 16))
     split_len = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_len, split_len)
     one = num_splits == 1
@@ -285,11 +326,7 @@ def mla_paged_decode(
             num_warps=num_warps, num_stages=num_stages,
         )
     if not one:
-        merge_m = 16
-        _mla_merge_kernel[(B, triton.cdiv(m_rows, merge_m))](
-            part_o, part_lse, out, H, m_rows, num_splits, out.stride(0), out.stride(1), out.stride(2),
-            R=r, BLOCK_R=block_r, BLOCK_M=merge_m, num_warps=4,
-        )
+        _merge(part_o, part_lse, out, H, m_rows, num_splits, r, interp)
     return out
 
 

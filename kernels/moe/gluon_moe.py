@@ -253,6 +253,8 @@ def _down(H, W, WS, OUT, TOPW, SORTED, BLOCK_EXPERT, num_assign, top_k, D, I, IW
         gl.atomic_add(OUT + token[None, :] * D + d[:, None], acc * wt[None, :], mask=valid[None, :])
 
 
+# Cached: built once per shape (tens of microseconds of Python a launch otherwise); callers must not mutate it.
+@functools.lru_cache(maxsize=None)
 def _constexprs(nt: int, s: int, stages: int) -> dict:
     acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, nt, 16])
     # wgmma's operand layout of the words `[64 rows, S blocks, 4 (c), 2]`: a thread holds words 2c, 2c + 1 of each

@@ -5,7 +5,6 @@ Runs on the CPU under the Triton interpreter (tests/conftest.py sets TRITON_INTE
 
 import copy
 import math
-import os
 
 import pytest
 import torch
@@ -23,10 +22,10 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _paged_inputs(dtype, Tq, shuffle, seed=0):
+def _paged_inputs(dtype, Tq, shuffle, seed=0, lengths=LENGTHS):
     g = torch.Generator().manual_seed(seed)
-    B = len(LENGTHS)
-    n_blocks = math.ceil(max(LENGTHS) / PAGE)
+    B = len(lengths)
+    n_blocks = math.ceil(max(lengths) / PAGE)
     num_pages = B * n_blocks + 2  # spare pages that no sequence owns: they must never be read
     pool = torch.randn(num_pages, PAGE, R + DR, generator=g).to(dtype)
     ids = torch.randperm(num_pages, generator=g) if shuffle else torch.arange(num_pages)
@@ -35,7 +34,7 @@ def _paged_inputs(dtype, Tq, shuffle, seed=0):
     q_nope = torch.randn(B, Tq, H, DN, generator=g).to(dtype)
     q_pe = torch.randn(B, Tq, H, DR, generator=g).to(dtype)
     w = (torch.randn(H * (DN + DV), R, generator=g) / R**0.5).to(dtype)
-    return tuple(t.to(DEV) for t in (pool, block_table, torch.tensor(LENGTHS), q_nope, q_pe, w))
+    return tuple(t.to(DEV) for t in (pool, block_table, torch.tensor(lengths), q_nope, q_pe, w))
 
 
 def _absorb(q_nope, w):
@@ -83,6 +82,21 @@ def test_split_counts_agree(num_splits):
     q_lat = _absorb(q_nope, w)
     got = mla_paged_decode(q_lat, q_pe, pool, table, lengths, 0.3, num_splits=num_splits)
     want = mla_paged_decode_reference(q_lat, q_pe, pool, table, lengths, 0.3)
+    assert rel_err(got, want) <= 1e-5
+
+
+def test_many_splits_merge():
+    """19 splits (more than the merge takes in one step, with a ragged last step), an empty sequence and splits
+    past a sequence's end: the merge's two passes and its column slices against the reference."""
+    from k3_kernels.mla.triton_decode import mla_paged_decode
+
+    lengths = [150, 0, 301]
+    pool, table, lens, q_nope, q_pe, w = _paged_inputs(torch.float32, 2, True, seed=5, lengths=lengths)
+    q_lat = _absorb(q_nope, w)
+    out = torch.full(q_lat.shape, float("nan"), device=DEV)
+    got = mla_paged_decode(q_lat, q_pe, pool, table, lens, 0.3, num_splits=23, out=out)
+    want = mla_paged_decode_reference(q_lat, q_pe, pool, table, lens, 0.3)
+    assert (got[1] == 0).all()  # no visible key: 0
     assert rel_err(got, want) <= 1e-5
 
 
