@@ -114,6 +114,15 @@ def _moe_cases():
                            down=torch.empty(E, D, I, dtype=torch.bfloat16))
         return moe_experts_triton(x, idx, w, **weights, block_m=block_m, config=config)
 
+    # The one-program routing (`_align` takes it on CUDA tensors only): K3's 896 experts at 64 and 256 tokens.
+    from k3_kernels.moe.triton_moe import _align_kernel
+
+    for n_assign in (1024, 4096):
+        tiles = n_assign // 16 + 896
+        yield f"moe align kernel A={n_assign}", lambda: _align_kernel[(1,)](
+            torch.zeros(n_assign, dtype=torch.long), torch.empty(tiles * 16, dtype=torch.int32),
+            torch.empty(tiles, dtype=torch.int32), torch.empty(896, dtype=torch.long),
+            torch.empty(896, dtype=torch.long), n_assign, 896, tiles, BLOCK_M=16, A_P=n_assign, E_P=1024, num_warps=4)
     # K3's latent and expert widths (decode and prefill tiles), then the tiny test model's (K tiles of 32).
     for D, I, N in ((3584, 3072, 1), (3584, 3072, 64), (32, 32, 1)):
         for fmt in ("mxfp4", "bf16"):

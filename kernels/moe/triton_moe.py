@@ -42,7 +42,8 @@ __all__ = ["moe_experts_triton"]
 
 # Triton's CPU interpreter computes bf16 `tl.dot` wrongly (numpy has no bf16), so under TRITON_INTERPRET the
 # products run in fp32 on the same bf16-rounded values; compiled kernels use bf16 tensor cores.
-_DOT_F32 = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_DOT_F32 = _INTERPRET
 
 
 @triton.jit
@@ -309,6 +310,39 @@ def _down(
         _down_store(OUT, TOPW, assign3, valid3, token3, n, D, acc3, REDUCE_SORTED)
 
 
+# Up to this many assignments (256 tokens of top-16) `_align` is one Triton program instead of ~20 torch ops: at decode
+# those ops cost more than the expert products at one token (BENCHMARKS.md, twenty-fourth session).
+_ALIGN_KERNEL_MAX = 4096
+
+
+@triton.jit
+def _align_kernel(FLAT, SORTED, BLOCK_EXPERT, RUN_END, RUN_LEN, A, E, TILES,
+                  BLOCK_M: tl.constexpr, A_P: tl.constexpr, E_P: tl.constexpr):
+    """`_align` in one program: counts (histogram), padded runs (cumsum), a stable sort of (expert, assignment)
+    keys; assignment p of the sorted order goes to its expert's run start plus its rank in the expert, and the
+    first assignment of each row tile names the tile's expert (every real tile starts with a real assignment)."""
+    i = tl.arange(0, A_P)
+    ok = i < A
+    e = tl.load(FLAT + i, mask=ok, other=0).to(tl.int32)
+    counts = tl.histogram(e, E_P, mask=ok)  # [E_P]
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, 0)
+    eo = tl.arange(0, E_P)
+    tl.store(RUN_END + eo, end.to(tl.int64), mask=eo < E)
+    tl.store(RUN_LEN + eo, padded.to(tl.int64), mask=eo < E)
+    for s0 in range(0, TILES * BLOCK_M, A_P):  # pads everywhere first; spare tiles: expert -1
+        s = s0 + i
+        tl.store(SORTED + s, A, mask=s < TILES * BLOCK_M)
+        tl.store(BLOCK_EXPERT + s, -1, mask=s < TILES)
+    tl.debug_barrier()  # the fills land before the assignments overwrite theirs (one program: a CTA barrier)
+    keys = tl.sort(tl.where(ok, e * A_P + i, E_P * A_P + i))  # expert-major, assignment id within: stable
+    es = tl.minimum(keys // A_P, E_P - 1)
+    rank = i - tl.gather(tl.cumsum(counts, 0) - counts, es, 0)
+    dest = tl.gather(end - padded, es, 0) + rank
+    tl.store(SORTED + dest, (keys % A_P).to(tl.int32), mask=ok)
+    tl.store(BLOCK_EXPERT + dest // BLOCK_M, es, mask=ok & (rank % BLOCK_M == 0))
+
+
 def _align(top_idx: torch.Tensor, num_experts: int, block_m: int):
     """Assignments sorted by expert, each expert's run padded to block_m; pad entries hold `num_assign`.
 
@@ -320,13 +354,29 @@ def _align(top_idx: torch.Tensor, num_experts: int, block_m: int):
     """
     flat = top_idx.reshape(-1)
     A = flat.numel()
+    tiles = triton.cdiv(A, block_m) + min(num_experts, A)
+    e_p = max(16, triton.next_power_of_2(num_experts))
+    if 0 < A <= _ALIGN_KERNEL_MAX and e_p <= 4096 and (flat.is_cuda or _INTERPRET):
+        a_p = max(16, triton.next_power_of_2(A))
+        sorted_ids = torch.empty(tiles * block_m, dtype=torch.int32, device=flat.device)
+        block_expert = torch.empty(tiles, dtype=torch.int32, device=flat.device)
+        end = torch.empty(num_experts, dtype=torch.long, device=flat.device)
+        padded = torch.empty_like(end)
+        _align_kernel[(1,)](flat, sorted_ids, block_expert, end, padded, A, num_experts, tiles,
+                            BLOCK_M=block_m, A_P=a_p, E_P=e_p, num_warps=4)
+        return sorted_ids, block_expert, tiles, end, padded
+    return _align_torch(flat, num_experts, block_m, tiles)
+
+
+def _align_torch(flat: torch.Tensor, num_experts: int, block_m: int, tiles: int):
+    """`_align` in torch ops (any size; the reference the kernel is tested against)."""
+    A = flat.numel()
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     end = torch.cumsum(padded, 0)  # padded run of expert e: [end[e] - padded[e], end[e])
     e_sorted = flat[order]
     rank = torch.arange(A, device=flat.device) - (torch.cumsum(counts, 0) - counts)[e_sorted]
-    tiles = triton.cdiv(A, block_m) + min(num_experts, A)
     sorted_ids = torch.full((tiles * block_m,), A, dtype=torch.int32, device=flat.device)
     sorted_ids[(end - padded)[e_sorted] + rank] = order.to(torch.int32)
     tile_start = torch.arange(tiles, device=flat.device) * block_m
@@ -363,10 +413,12 @@ _DEFAULT_CONFIGS = {
 # at 18.3; MXFP4 11.2 / 23.2 at 9.1 rows, 17.5 / 23.3 at 18.3 (its prefill tiles multiply 128 rows per unpacked
 # weight; its decode tiles unpack every weight once per 16 rows, so they lose further up).
 _DECODE_MAX_ROWS = {"dense": 12, "mxfp4": 24}
-# MXFP4 decode runs on the Gluon kernels (`gluon_moe`) by default on Hopper from this many assignments: below it their
-# grid is a few waves of programs and the Triton tiles win (H100, K3 shapes, top-16, twenty-third session, Gluon vs
-# Triton ms: 4 tokens 1.39 vs 0.85, 6 tokens 1.51 vs 1.14, 8 tokens 1.27 vs 1.44, 64 tokens 3.91 vs about 7.6).
-_GLUON_MIN_ASSIGNMENTS = 128
+# MXFP4 decode runs on the Gluon kernels (`gluon_moe`) by default on Hopper from this many assignments (2 tokens of
+# top-16). H100, K3 shapes, ms, Gluon vs Triton, in a CUDA graph / eager (twenty-fourth session, with the one-program
+# `_align`): 1 token 0.186 vs 0.219 / 0.432 vs 0.235; 2 tokens 0.290 vs 0.392 / 0.459 vs 0.408; 4 tokens 0.472 vs
+# 0.720 / 0.443 vs 0.737; 8 tokens 0.843 vs 1.383. At one token an eager call is bound by the host, where a Gluon
+# launch costs more than a Triton one, so one token stays on the Triton tiles.
+_GLUON_MIN_ASSIGNMENTS = 32
 _CONFIG_KEYS = ("block_m", "reduce", "order", "gluon", "gate_up", "down")
 _KERNEL_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "row_tiles", "tma")
 _REDUCES = ("atomic", "sorted")

@@ -80,6 +80,25 @@ def test_align_tiles(N, E, k, block_m):
         assert run_end[e] - run_len[e] <= t * block_m < run_end[e]
 
 
+@pytest.mark.parametrize("N,E,k,block_m", [(1, 8, 2, 16), (37, 8, 3, 16), (300, 5, 2, 64), (256, 896, 16, 8),
+                                           (3, 1, 1, 16)])
+def test_align_kernel_matches_torch(N, E, k, block_m):
+    """The one-program `_align_kernel` (up to `_ALIGN_KERNEL_MAX` assignments) gives `_align_torch`'s tensors
+    exactly: the same stable order within an expert, pads, spare tiles and runs. Hot expert 0: runs of many tiles."""
+    from k3_kernels.moe.triton_moe import _ALIGN_KERNEL_MAX, _align_torch
+
+    g = torch.Generator().manual_seed(N + E)
+    top_idx, _ = _routing(N, E, k, g)
+    assert N * k <= _ALIGN_KERNEL_MAX
+    got = _align(top_idx, E, block_m)
+    want = _align_torch(top_idx.reshape(-1), E, block_m, got[2])
+    for name, a, b in zip(("sorted_ids", "block_expert", "tiles", "run_end", "run_len"), got, want):
+        if name == "tiles":
+            assert a == b
+        else:
+            assert a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu()), name
+
+
 @pytest.mark.parametrize("fp4", [False, True])
 def test_regime_boundary(fp4):
     """Decode tiles up to `_DECODE_MAX_ROWS` average rows an expert (per weight format), prefill tiles above."""
