@@ -15,7 +15,7 @@ them packed (W4A16), the torch path through the "eager" experts, which dequantis
 bf16 `grouped_mm` needs 3-D bf16 experts). That path is slow by design, so it is timed at B = 1 only.
 
     . scripts/device_env.sh && python3 -u benchmarks/end_to_end.py [--peer | --peer-only] [--long] [--experts 64]
-    . scripts/device_env.sh && python3 -u benchmarks/end_to_end.py --mxfp4 [--long] [--graph]
+    . scripts/device_env.sh && python3 -u benchmarks/end_to_end.py --mxfp4 [--long] [--graph] [--batches 1]
 
 `--graph` adds kernel-path rows whose decode steps replay a CUDA graph over a static cache (`max_cache_len` = the
 prompt + 64: the cache bytes a token then include the unused capacity).
@@ -155,6 +155,8 @@ def main():
     ap.add_argument("--peer-only", action="store_true", help="time only the peer (its own process: fla autotunes)")
     ap.add_argument("--mxfp4", action="store_true", help="MXFP4-packed routed experts, 896 unless --experts is given")
     ap.add_argument("--graph", action="store_true", help="add kernel rows with CUDA-graph decode (static cache)")
+    ap.add_argument("--batches", default="1,64", help="batch sizes of the 1K-prompt rows (B = 64 needs the H200's "
+                    "memory with --mxfp4)")
     args = ap.parse_args()
     args.peer = args.peer or args.peer_only
     if args.mxfp4 and args.experts == ap.get_default("experts"):
@@ -167,7 +169,7 @@ def main():
           flush=True)
     x = torch.randint(0, VOCAB, (64, 32768 if args.long else 1024), device="cuda")
     logits, rows = {}, []
-    cases = [(1, 1024), (64, 1024)] + ([(1, 32768)] if args.long else [])
+    cases = [(int(b), 1024) for b in args.batches.split(",")] + ([(1, 32768)] if args.long else [])
     for fast in (() if args.peer_only else (False, True)):
         set_path(lm, fast, args.mxfp4)
         logits[fast] = lm(input_ids=x[:2, :512], use_cache=False).logits
