@@ -205,12 +205,12 @@ def _merge(part_o, part_lse, out, H, m_rows, n_splits, r, interp):
     """Launch `_mla_merge_kernel` over (B, 8-row blocks, 64-column slices): 96 programs at B = 1, H = 96, r = 512.
     The interpreter takes smaller slices and split steps, so the tests cross their boundaries at small shapes."""
     block_r = 16 if interp else 64
-    block_s = min(4 if interp else 16, triton.next_power_of_2(n_splits))  # [16, 8, 64] fp32: 64 registers a thread
+    n_pow2 = triton.next_power_of_2(n_splits)
+    block_s = min(4 if interp else 16, n_pow2)  # [16, 8, 64] fp32: 64 registers a thread
     grid = (out.shape[0], triton.cdiv(m_rows, 8), triton.cdiv(r, block_r))
     _mla_merge_kernel[grid](
         part_o, part_lse, out, H, m_rows, n_splits, out.stride(0), out.stride(1), out.stride(2),
-        R=r, BLOCK_R=block_r, BLOCK_M=8, BLOCK_S=block_s, LSE_S=min(4 if interp else 64, triton.next_power_of_2(n_splits)),
-        num_warps=4,
+        R=r, BLOCK_R=block_r, BLOCK_M=8, BLOCK_S=block_s, LSE_S=min(4 if interp else 64, n_pow2), num_warps=4,
     )
 
 
