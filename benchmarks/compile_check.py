@@ -278,7 +278,7 @@ def _gluon_moe_cases():
             compiled[key] = f"FAILED: {type(exc).__name__}: {exc}"
 
     for fn, types in kernels:
-        for nt in (8, 16, 32):
+        for nt in (8, 16, 32, 64):
             for s in (1, 2, 4):
                 for st in (2, 3, 4):
                     yield (f"gluon {fn.__name__} NT={nt} S={s} stages={st}",

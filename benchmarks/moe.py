@@ -24,11 +24,13 @@ figures moved by up to 7 % between identical configs); `--kernel-times` adds eac
     . scripts/device_env.sh && python3 benchmarks/moe.py --sweep --tokens 8192 16384 2048 --formats bf16 \
         --orders expert --rounds 3 --kernel-times
 
-`--gluon-sweep` times the Gluon MXFP4 decode kernels (`gluon_moe`) over their launch overrides (ring buffers,
-K step, token slots: `GLUON_SWEEP`) beside `torch._grouped_mm` and the Triton tiles, `--rounds` interleaved rounds,
-each variant checked against the default's output, with each kernel's profiler time at 64 tokens:
+`--gluon-sweep` times the Gluon MXFP4 kernels (`gluon_moe`) over their launch overrides (ring buffers, K step,
+token slots: `GLUON_SWEEP`) beside `torch._grouped_mm` and the Triton tiles, `--rounds` interleaved rounds, each
+variant checked against the default's output, with each kernel's profiler time at 64 tokens (prefill sizes up to
+4K tokens fit an 80 GB card next to the bf16 copy):
 
     . scripts/device_env.sh && python3 benchmarks/moe.py --gluon-sweep --tokens 8 64 256 --rounds 5
+    . scripts/device_env.sh && python3 benchmarks/moe.py --gluon-sweep --tokens 1024 1536 2048 4096 --rounds 3
 """
 
 import argparse
@@ -281,15 +283,16 @@ def sweep(args, E, k, D, I, dev, fp4, gate_up, down):
 
 GLUON_SWEEP = {"default (2 buffers, K step 4)": {}, "3 buffers": dict(stages=3), "4 buffers": dict(stages=4),
                "K step 2": dict(k_step=2), "3 buffers, K step 2": dict(stages=3, k_step=2),
-               "16 token slots": dict(token_slots=16)}
+               "16 token slots": dict(token_slots=16), "32 token slots": dict(token_slots=32),
+               "64 token slots": dict(token_slots=64), "64 token slots, K step 4": dict(token_slots=64, k_step=4)}
 
 
 def gluon_sweep(args, E, k, D, dev, fp4, gate_up, down):
-    """The Gluon decode kernels at each `GLUON_SWEEP` launch, `grouped_mm` and the Triton tiles beside them."""
+    """The Gluon MXFP4 kernels at each `GLUON_SWEEP` launch, `grouped_mm` and the Triton tiles beside them."""
     from k3_kernels.moe.gluon_moe import moe_experts_gluon
 
     w = (fp4["w13_packed"], fp4["w13_scale"], fp4["w2_packed"], fp4["w2_scale"])
-    print(f"Gluon MXFP4 decode, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"Gluon MXFP4 kernels, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     for N in args.tokens:
         x, top_idx, top_w, touched = _tokens(N, E, k, D, dev)
         paths = {"torch._grouped_mm bf16": lambda: grouped_mm_experts(x, top_idx, top_w, gate_up, down),
@@ -363,8 +366,8 @@ def main():
             "ours bf16": lambda: moe_experts_triton(x, top_idx, top_w, gate_up=gate_up, down=down),
             "torch._grouped_mm bf16": lambda: grouped_mm_experts(x, top_idx, top_w, gate_up, down),
         }
-        if dev == "cuda" and torch.cuda.get_device_capability()[0] == 9 and _is_decode(N * k, E, True):
-            # The Gluon W4A16 decode kernels (`k3_kernels.moe.gluon_moe`), and the Triton ones they replace.
+        if dev == "cuda" and torch.cuda.get_device_capability()[0] == 9:
+            # The Gluon W4A16 kernels (`k3_kernels.moe.gluon_moe`), and the Triton ones they replace.
             paths["ours MXFP4, Gluon"] = lambda: moe_experts_triton(x, top_idx, top_w, **fp4, config={"gluon": True})
             paths["ours MXFP4, Triton"] = lambda: moe_experts_triton(x, top_idx, top_w, **fp4,
                                                                       config={"gluon": False})

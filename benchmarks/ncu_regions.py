@@ -13,7 +13,8 @@ Modes: `kda` (chunked forward + backward, T = 8K, H = 96, K = V = 128, bf16, all
 paged decode, B = 64, L = 32K, H = 96), `attnres` (forward, T = 8K, d = 7168, N = 3, 6, 9), `moe` (bf16 experts at
 K3's widths with 8K tokens' load an expert, 146 rows, but 64 experts instead of 896: ncu saves and restores every
 buffer a kernel may touch for each replay pass, which at the real expert count is 59 GB of bf16 weights a pass, and
-the eleventh session's attempt ran out of its time limit).
+the eleventh session's attempt ran out of its time limit), `moe_fp4` (MXFP4 experts through the default dispatch, the
+Gluon kernels on Hopper, 64 experts with 1K then 8K tokens' load an expert: 18 and 146 rows).
 `--clock-control none` leaves the GPU's clocks alone (the device notes ask for it).
 """
 
@@ -28,7 +29,7 @@ import torch
 
 SUMMARY = (("Duration", "ms", 1e-6), ("Registers Per Thread", "registers", 1), ("Theoretical Occupancy", "occupancy %", 1),
            ("DRAM Throughput", "DRAM % of peak", 1), ("Compute (SM) Throughput", "SM % of peak", 1),
-           ("Issue Slots Busy", "issue %", 1), ("L2 Hit Rate", "L2 hit %", 1),
+           ("Issue Slots Busy", "issue %", 1), ("L2 Hit Rate", "L2 hit %", 1), ("L2 Cache Throughput", "L2 % of peak", 1),
            ("Local Memory Spilling Requests", "spill requests", 1))
 
 
@@ -82,6 +83,21 @@ def moe():
     _region(lambda: moe_experts_triton(x, top_idx, top_w, gate_up=gate_up, down=down))
 
 
+def moe_fp4():
+    import moe as M
+
+    from k3_kernels.moe.triton_moe import moe_experts_triton
+
+    E, k, D, I = 64, 16, 3584, 3072
+    fp4 = dict(w13_packed=torch.randint(0, 256, (E, 2 * I, D // 2), dtype=torch.uint8, device="cuda"),
+               w13_scale=torch.randint(119, 123, (E, 2 * I, D // 32), dtype=torch.uint8, device="cuda"),
+               w2_packed=torch.randint(0, 256, (E, D, I // 2), dtype=torch.uint8, device="cuda"),
+               w2_scale=torch.randint(119, 123, (E, D, I // 32), dtype=torch.uint8, device="cuda"))
+    for tokens in (1024, 8192):  # 18 and 146 rows an expert, as at 896 experts
+        x, top_idx, top_w, _ = M._tokens(tokens * E // 896, E, k, D, "cuda")
+        _region(lambda: moe_experts_triton(x, top_idx, top_w, **fp4))
+
+
 def summarize(path: str):
     """One markdown row per profiled kernel (torch's own small kernels left out) from ncu's `--csv --page details`."""
     lines = [ln for ln in pathlib.Path(path).read_text().splitlines() if not ln.startswith("==")]
@@ -104,7 +120,7 @@ def summarize(path: str):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", nargs="?", choices=["kda", "mla", "attnres", "moe"])
+    ap.add_argument("mode", nargs="?", choices=["kda", "mla", "attnres", "moe", "moe_fp4"])
     ap.add_argument("--summarize", metavar="CSV", help="print the table of an ncu --csv --page details file")
     args = ap.parse_args()
     if args.summarize:
@@ -112,7 +128,7 @@ def main():
     if args.mode is None:
         ap.error("give a mode or --summarize")
     sys.path.insert(0, str(pathlib.Path(__file__).parent))  # the sibling benchmark scripts' input builders
-    {"kda": kda, "mla": mla, "attnres": attnres, "moe": moe}[args.mode]()
+    {"kda": kda, "mla": mla, "attnres": attnres, "moe": moe, "moe_fp4": moe_fp4}[args.mode]()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""MXFP4 (W4A16) decode of the routed experts in Gluon, for Hopper: the weights as the wide side of the product.
+"""MXFP4 (W4A16) routed experts in Gluon, for Hopper: the weights as the wide side of the product.
 
 At decode an expert gets a handful of tokens, so every weight is unpacked for a few rows and the unpack, not the
 memory, sets the time of the Triton kernels (`triton_moe`, `tl.dot_scaled`: 6.5-7.3 SASS instructions a weight,
@@ -6,7 +6,15 @@ BENCHMARKS.md, thirteenth session). Gluon (`triton.experimental.gluon`, shipped 
 the operands' roles and register layouts that `tl.dot` chooses itself:
 
 - The weights are wgmma's left operand, 64 rows a warpgroup, taken from registers; the expert's tokens (at most
-  NT = 8, 16 or 32 of them, zero-padded) are the right operand, from shared memory. Nothing is padded to 64 rows.
+  NT = 8, 16, 32 or 64 of them, zero-padded) are the right operand, from shared memory. Nothing is padded to 64
+  rows. An expert with more tokens than NT takes several tiles, each unpacking its weights again, so NT grows with
+  the tokens an expert gets (`tokens_per_tile`), and the same kernels serve prefill sizes. H100, K3 shapes, 896
+  experts (BENCHMARKS.md, twenty-fifth session): 2K / 4K / 8K tokens 12.0 / 21.4 / 35.3 ms, against 23.4 / 24.5 /
+  44.3 for the Triton `tl.dot_scaled` tiles that ran there before. Tried there and dropped: 128 slots (57 % padding
+  at 8K tokens, 255 registers: 43.0 ms), programs ordered expert-major so that an expert's tiles share its weights
+  in L2 (10-30 % slower), 128 weight rows a program in two warpgroups sharing the token tile (8K: 36.4 against
+  34.4 ms; 1K: 8.2 against 8.7, from `_down`), asynchronous wgmma with the up block's unpack overlapping the gate
+  block's product (more registers, fewer programs an SM: 1-13 % slower from 64 to 8K tokens).
 - The packed weights are read coalesced: 16-byte `cp.async` copies, a warp's covering whole rows' K steps (4 rows
   x 128 bytes at S = 4), into shared-memory rings of STAGES buffers (XOR-swizzled by row), STAGES - 1 steps ahead,
   and read from there into the left operand's rows: of each 32-byte block (64 inputs) of its rows r and r + 8, the
@@ -52,6 +60,8 @@ from .triton_moe import _align
 __all__ = ["gluon_decode_available", "moe_experts_gluon", "tokens_per_tile"]
 
 BM = gl.constexpr(64)  # weight rows a program: one warpgroup's wgmma M
+# The most assignments an expert gets on average for 32 token slots a tile; above, 64 (see `tokens_per_tile`).
+_NT32_MAX_AVG = 30
 UNSCALE = gl.constexpr(4294967296.0)  # 2^32: the accumulator's factor back (see the module doc)
 
 # Words $8, $9 (16 nibbles) -> 8 bf16 pairs: $o = nibbles j, j + 4 of word o // 4, j = o % 4, as bf16 bits: the
@@ -298,21 +308,25 @@ def _build_operand_order(k: int, device: torch.device) -> torch.Tensor:
 _cached_operand_order = functools.lru_cache(maxsize=None)(_build_operand_order)
 
 
-def gluon_decode_available(device: torch.device) -> bool:
+def gluon_decode_available(device: torch.device) -> bool:  # the name predates prefill use
     """Gluon kernels need a real CUDA device of compute capability 9.x (Hopper: wgmma)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def tokens_per_tile(assignments: int, num_experts: int) -> int:
     """NT, the token slots of a tile: the wgmma N of the products. An expert with more assignments takes more tiles,
-    each re-reading its weights, so NT grows with the average load; the unpack cost does not depend on NT."""
+    each re-reading and unpacking its weights, so NT grows with the average load. H100, K3 shapes, 896 experts, ms
+    with 32 / 64 slots (twenty-fifth session): 18 assignments an expert 8.7 / 11.0, 27 10.7 / 12.0, 32 12.7 / 12.3,
+    37 14.8 / 12.6."""
     avg = assignments / num_experts
-    return 8 if avg <= 4 else 16 if avg <= 12 else 32
+    return 8 if avg <= 4 else 16 if avg <= 12 else 32 if avg <= _NT32_MAX_AVG else 64
 
 
-def _k_step(k: int) -> int:
-    """S, the 64-input blocks a K step: 4 where it divides the width (the H100 probe's best), else 2 or 1."""
-    for s in (4, 2, 1):
+def _k_step(k: int, nt: int) -> int:
+    """S, the 64-input blocks a K step: at most 4 (the H100 probe's best up to 32 token slots) or 2 at 64 slots (the
+    token ring is 4x larger there; S = 4 / 2 / 1 gave 41.6 / 35.9 / 37.6 ms at 8K tokens), the largest dividing the
+    width."""
+    for s in (4, 2, 1) if nt <= 32 else (2, 1):
         if k % (64 * s) == 0:
             return s
     raise ValueError(f"moe_experts_gluon: the latent and expert widths must be multiples of 64, got {k}")
@@ -321,10 +335,10 @@ def _k_step(k: int) -> int:
 def moe_experts_gluon(x, top_idx, top_w, w13_packed, w13_scale, w2_packed, w2_scale, *, beta: float = 4.0,
                       linear_beta: float = 25.0, token_slots: int | None = None, k_step: int | None = None,
                       stages: int = 2):
-    """x `[N, D]` -> `[N, D]` on MXFP4 experts in the released layout (see `triton_moe.moe_experts_triton`), for
-    decode-sized batches; Hopper only (`gluon_decode_available`). `token_slots` overrides NT (8, 16 or 32), `k_step`
-    the 64-input blocks of a K step (1, 2 or 4, dividing both widths), `stages` the ring buffers (2, 3 or 4; 2
-    measured fastest on the H100)."""
+    """x `[N, D]` -> `[N, D]` on MXFP4 experts in the released layout (see `triton_moe.moe_experts_triton`), any
+    batch size; Hopper only (`gluon_decode_available`). `token_slots` overrides NT (8, 16, 32 or 64), `k_step` the
+    64-input blocks of a K step (1, 2 or 4, dividing both widths), `stages` the ring buffers (2, 3 or 4; 2 measured
+    fastest on the H100)."""
     E, two_i, D = w13_packed.shape[0], w13_packed.shape[1], 2 * w13_packed.shape[2]
     I = two_i // 2
     if not gluon_decode_available(x.device):
@@ -333,8 +347,8 @@ def moe_experts_gluon(x, top_idx, top_w, w13_packed, w13_scale, w2_packed, w2_sc
         raise ValueError(f"moe_experts_gluon: the latent and expert widths must be multiples of 64, got {D} and {I}")
     N, k = top_idx.shape
     nt = token_slots or tokens_per_tile(N * k, E)
-    if nt not in (8, 16, 32):
-        raise ValueError(f"moe_experts_gluon: token_slots must be 8, 16 or 32, got {nt}")
+    if nt not in (8, 16, 32, 64):
+        raise ValueError(f"moe_experts_gluon: token_slots must be 8, 16, 32 or 64, got {nt}")
     if k_step is not None and (k_step not in (1, 2, 4) or D % (64 * k_step) or I % (64 * k_step)):
         raise ValueError(f"moe_experts_gluon: k_step must be 1, 2 or 4 and divide {D // 64} and {I // 64}, "
                          f"got {k_step}")
@@ -347,7 +361,7 @@ def moe_experts_gluon(x, top_idx, top_w, w13_packed, w13_scale, w2_packed, w2_sc
     out = torch.zeros((N, D), device=x.device, dtype=torch.float32)
     # The rings copy the token tile contiguously: gather it into the operand order once. [N, D] -> [N, D]
     xb = x.to(torch.bfloat16)[:, _operand_order(D, x.device)]
-    s1, s2 = k_step or _k_step(D), k_step or _k_step(I)
+    s1, s2 = k_step or _k_step(D, nt), k_step or _k_step(I, nt)
     _gate_up_situ[(I // BM, tiles)](xb, w13_packed, w13_scale, hbuf, sorted_ids, block_expert, N * k, k, D, I,
                                     D // 8, D // 32, beta, linear_beta, **_constexprs(nt, s1, stages), num_warps=4)
     _down[(D // BM, tiles)](hbuf, w2_packed, w2_scale, out, top_w.reshape(-1).float().contiguous(), sorted_ids,

@@ -405,7 +405,7 @@ def _tiles(block_m, bn, bk, warps, stages, order, down_bn=None):
 _DEFAULT_CONFIGS = {
     ("decode", "mxfp4"): dict(_tiles(16, 64, 64, 4, 3, "tile"), gluon=True),
     ("decode", "dense"): _tiles(16, 128, 128, 8, 4, "expert"),
-    ("prefill", "mxfp4"): _tiles(128, 64, 64, 4, 4, "expert", down_bn=128),
+    ("prefill", "mxfp4"): dict(_tiles(128, 64, 64, 4, 4, "expert", down_bn=128), gluon=True),
     ("prefill", "dense"): _tiles(64, 128, 64, 8, 4, "expert"),
 }
 # Where the regimes meet, in average rows an expert (N * top_k / E), measured at 128-1024 tokens of K3's 896
@@ -413,12 +413,20 @@ _DEFAULT_CONFIGS = {
 # at 18.3; MXFP4 11.2 / 23.2 at 9.1 rows, 17.5 / 23.3 at 18.3 (its prefill tiles multiply 128 rows per unpacked
 # weight; its decode tiles unpack every weight once per 16 rows, so they lose further up).
 _DECODE_MAX_ROWS = {"dense": 12, "mxfp4": 24}
-# MXFP4 decode runs on the Gluon kernels (`gluon_moe`) by default on Hopper from this many assignments (2 tokens of
-# top-16). H100, K3 shapes, ms, Gluon vs Triton, in a CUDA graph / eager (twenty-fourth session, with the one-program
-# `_align`): 1 token 0.186 vs 0.219 / 0.432 vs 0.235; 2 tokens 0.290 vs 0.392 / 0.459 vs 0.408; 4 tokens 0.472 vs
-# 0.720 / 0.443 vs 0.737; 8 tokens 0.843 vs 1.383. At one token an eager call is bound by the host, where a Gluon
-# launch costs more than a Triton one, so one token stays on the Triton tiles.
+# MXFP4 experts run on the Gluon kernels (`gluon_moe`) by default on Hopper from this many assignments (2 tokens of
+# top-16), at decode and prefill sizes alike (the Triton prefill tiles were 1.3-1.9x slower at 2K-8K tokens on the
+# H100, twenty-fifth session; they stay for other GPUs and `config={"gluon": False}`). H100, K3 shapes, ms, Gluon
+# vs Triton, in a CUDA graph / eager (twenty-fourth session, with the one-program `_align`): 1 token 0.186 vs 0.219
+# / 0.432 vs 0.235; 2 tokens 0.290 vs 0.392 / 0.459 vs 0.408; 4 tokens 0.472 vs 0.720 / 0.443 vs 0.737; 8 tokens
+# 0.843 vs 1.383. At one token an eager call is bound by the host, and the Gluon path costs it about 0.1 ms more a
+# call (twenty-fifth session, back to back: 0.35 against 0.22 ms a call, for 0.14 against 0.22 ms of kernels), so
+# one token stays on the Triton tiles, except while a CUDA graph is captured: a replay pays no host cost (0.175
+# against 0.218 ms a replay).
 _GLUON_MIN_ASSIGNMENTS = 32
+# ... and up to this many assignments an expert on average: past it the Triton prefill tiles, which unpack each weight
+# once for 128 rows where the Gluon kernels do for 64, catch up (H100, MXFP4, ms, Gluon vs Triton tiles, twenty-fifth
+# session: 292 an expert (16K tokens) 62.4 vs 69.8; 585 (32K tokens) 120.2 vs 119.3).
+_GLUON_MAX_ROWS = 512
 _CONFIG_KEYS = ("block_m", "reduce", "order", "gluon", "gate_up", "down")
 _KERNEL_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "row_tiles", "tma")
 _REDUCES = ("atomic", "sorted")
@@ -469,9 +477,8 @@ def _resolve_config(config, block_m, *, decode: bool, fp4: bool, D: int, I: int)
     out["gluon"] = config.get("gluon", base["gluon"])
     if not isinstance(out["gluon"], bool):
         raise ValueError(f"config['gluon'] must be True or False, got {out['gluon']!r}")
-    if "gluon" in config and out["gluon"] and not (fp4 and decode):
-        raise ValueError("config['gluon'] = True: the Gluon kernels serve MXFP4 experts at decode sizes only (at most "
-                         f"{_DECODE_MAX_ROWS['mxfp4']} assignments an expert on average)")
+    if "gluon" in config and out["gluon"] and not fp4:
+        raise ValueError("config['gluon'] = True: the Gluon kernels serve MXFP4 experts only, got bf16 / fp16 weights")
     for kern, k_name, K, N in (("gate_up", "D", D, I), ("down", "I", I, D)):  # K read, N written
         sub = config.get(kern, {})
         if not isinstance(sub, dict):
@@ -514,7 +521,7 @@ def _resolve_config(config, block_m, *, decode: bool, fp4: bool, D: int, I: int)
 
 
 def _gluon_unavailable(device: torch.device) -> str | None:
-    """Why the Gluon decode kernels cannot run on `device`, or None if they can."""
+    """Why the Gluon MXFP4 kernels cannot run on `device`, or None if they can."""
     try:
         from .gluon_moe import gluon_decode_available
     except ImportError as exc:  # triton without Gluon (older than 3.5)
@@ -553,10 +560,11 @@ def moe_experts_triton(
     tile it loads by up to that many row tiles of its expert, see `_program_tile`; bf16 / fp16 weights, "expert"
     order) and `tma` (bool: the dense weights, and down's h, through Hopper TMA descriptors; compute capability
     >= 9.0, the K width a multiple of 8). `row_tiles` is a maximum: a launch covers at most the row tiles an expert
-    holds on average (`_launch_row_tiles`). `gluon` (bool): MXFP4 experts at decode sizes run on the Gluon kernels of
-    `gluon_moe` (tiles and block_m then do not apply). By default on Hopper from `_GLUON_MIN_ASSIGNMENTS`
-    assignments, elsewhere the Triton kernels (warning once); an explicit True always uses them and raises where
-    they cannot run (not Hopper, bf16 weights, prefill sizes). Unknown keys raise ValueError.
+    holds on average (`_launch_row_tiles`). `gluon` (bool): MXFP4 experts run on the Gluon kernels of `gluon_moe`
+    (tiles and block_m then do not apply). By default on Hopper from `_GLUON_MIN_ASSIGNMENTS` assignments (from one
+    while a CUDA graph is captured) up to `_GLUON_MAX_ROWS` an expert on average (decode and prefill sizes),
+    elsewhere the Triton kernels (warning once where Gluon cannot run); an explicit True always uses them and raises
+    where they cannot run (not Hopper, bf16 weights). Unknown keys raise ValueError.
     """
     fp4 = w13_packed is not None
     if fp4 == (gate_up is not None):
@@ -586,7 +594,8 @@ def moe_experts_triton(
     if N == 0:
         return torch.zeros((0, D), device=x.device, dtype=x.dtype)
     explicit = "gluon" in (config or {})
-    if cfg["gluon"] and fp4 and decode and (explicit or N * k >= _GLUON_MIN_ASSIGNMENTS):
+    least = 1 if x.is_cuda and torch.cuda.is_current_stream_capturing() else _GLUON_MIN_ASSIGNMENTS
+    if cfg["gluon"] and fp4 and (explicit or least <= N * k <= _GLUON_MAX_ROWS * E):
         why = _gluon_unavailable(x.device)
         if why is None:
             from .gluon_moe import moe_experts_gluon
@@ -594,7 +603,7 @@ def moe_experts_triton(
             return moe_experts_gluon(x, top_idx, top_w, W1, S1, W2, S2, beta=beta, linear_beta=linear_beta)
         if explicit:
             raise RuntimeError(f"config['gluon'] = True: {why}")
-        _warn_once("moe-gluon", f"transformers-k3: MXFP4 decode uses the Triton kernels ({why})")
+        _warn_once("moe-gluon", f"transformers-k3: MXFP4 experts use the Triton kernels ({why})")
     bm, c1, c2 = cfg["block_m"], cfg["gate_up"], cfg["down"]
     sorted_ids, block_expert, tiles, run_end, run_len = _align(top_idx, E, bm)
     hbuf = torch.empty((tiles * bm, I), device=x.device, dtype=torch.bfloat16)

@@ -525,8 +525,8 @@ class KimiK3Experts(nn.Module):
 
 def _k3_triton_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """`experts_implementation="k3_triton"`: grouped Triton matmuls with SiTU-GLU fused, bf16 tensor cores; on
-    packed experts the MXFP4 bytes are unpacked in registers (W4A16), at decode sizes on Hopper by the Gluon kernels
-    of `k3_kernels.moe.gluon_moe`.
+    packed experts the MXFP4 bytes are unpacked in registers (W4A16), on Hopper by the Gluon kernels of
+    `k3_kernels.moe.gluon_moe`.
 
     Inference only (the kernel has no backward; train with "grouped_mm"). Needs CUDA (or TRITON_INTERPRET=1).
     """

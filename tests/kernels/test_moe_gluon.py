@@ -1,4 +1,4 @@
-"""Gluon MXFP4 decode experts (`k3_kernels.moe.gluon_moe`) against the torch reference.
+"""Gluon MXFP4 experts (`k3_kernels.moe.gluon_moe`) against the torch reference.
 
 Gluon kernels do not run under `TRITON_INTERPRET` (they need a driver), so the numeric tests run on a Hopper GPU
 only; on the CPU this file checks the selection rules and the errors. Tolerance rule, as for the Triton kernels: bf16
@@ -40,7 +40,7 @@ def _routing(N, E, k, g, hot=0.0):
 
 @needs_hopper
 @pytest.mark.parametrize("stages", [2, 3])
-@pytest.mark.parametrize("nt", [None, 8, 16, 32])
+@pytest.mark.parametrize("nt", [None, 8, 16, 32, 64])
 @pytest.mark.parametrize("N,E,k,D,I,hot", [
     (1, 8, 2, 64, 64, 0.0),  # one token: S = 1, most tiles spare
     (5, 7, 3, 256, 192, 0.0),  # S = 4 for gate_up, S = 1 for down
@@ -142,26 +142,38 @@ def test_cuda_graph_capture():
 
 @needs_hopper
 def test_default_picks_gluon_from_the_threshold(monkeypatch):
-    """Without a config, MXFP4 decode runs on the Gluon kernels from `_GLUON_MIN_ASSIGNMENTS` assignments, on the
-    Triton kernels below."""
+    """Without a config, MXFP4 experts run on the Gluon kernels from `_GLUON_MIN_ASSIGNMENTS` assignments up to
+    `_GLUON_MAX_ROWS` an expert on average, decode and prefill sizes alike, on the Triton kernels outside."""
     import k3_kernels.moe.gluon_moe as gluon_moe
     from k3_kernels.moe import triton_moe
 
     calls = []
     monkeypatch.setattr(gluon_moe, "moe_experts_gluon", lambda *a, **kw: calls.append(1) or a[0])
-    fp4 = _tiny_fp4(E=8)  # decode sizes up to 8 x 24 assignments
+    fp4 = _tiny_fp4(E=8)  # decode sizes up to 8 x 24 assignments, prefill above
     idx_of = lambda n: torch.zeros(n, 1, dtype=torch.long, device=DEVICE)  # noqa: E731
-    for n in (triton_moe._GLUON_MIN_ASSIGNMENTS - 1, triton_moe._GLUON_MIN_ASSIGNMENTS):
+    prefill, top = 8 * triton_moe._DECODE_MAX_ROWS["mxfp4"] + 1, 8 * triton_moe._GLUON_MAX_ROWS
+    sizes = (triton_moe._GLUON_MIN_ASSIGNMENTS - 1, triton_moe._GLUON_MIN_ASSIGNMENTS, prefill, top, top + 1)
+    for n in sizes:
         x = torch.zeros(n, 64, dtype=torch.bfloat16, device=DEVICE)
+        calls.clear()
         moe_experts_triton(x, idx_of(n), torch.ones(n, 1, device=DEVICE), **fp4)
+        assert len(calls) == (sizes[0] < n <= top), n
+    # While a CUDA graph is captured, from one assignment: a replay pays no launch cost on the host.
+    calls.clear()
+    x = torch.zeros(1, 64, dtype=torch.bfloat16, device=DEVICE)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        moe_experts_triton(x, idx_of(1), torch.ones(1, 1, device=DEVICE), **fp4)
     assert len(calls) == 1
 
 
 def test_tokens_per_tile_and_k_step():
-    assert [tokens_per_tile(a, 896) for a in (16, 1024, 896 * 4, 896 * 5, 896 * 12, 896 * 13)] == [8, 8, 8, 16, 16, 32]
-    assert [_k_step(k) for k in (3584, 3072, 128, 64, 320)] == [4, 4, 2, 1, 1]
+    assert ([tokens_per_tile(a, 896) for a in (16, 1024, 896 * 4, 896 * 5, 896 * 12, 896 * 13, 896 * 30, 896 * 31)]
+            == [8, 8, 8, 16, 16, 32, 32, 64])
+    assert [_k_step(k, 32) for k in (3584, 3072, 128, 64, 320)] == [4, 4, 2, 1, 1]
+    assert [_k_step(k, 64) for k in (3584, 3072, 128, 64, 320)] == [2, 2, 2, 1, 1]
     with pytest.raises(ValueError, match="multiples of 64"):
-        _k_step(96)
+        _k_step(96, 8)
 
 
 def _tiny_fp4(D=64, I=64, E=2):
@@ -178,10 +190,10 @@ def test_bad_requests():
         moe_experts_triton(x, idx, tw, **fp4, config={"gluon": 1})
     gu = torch.zeros(1, 128, 64, dtype=torch.bfloat16, device=DEVICE)
     dn = torch.zeros(1, 64, 64, dtype=torch.bfloat16, device=DEVICE)
-    with pytest.raises(ValueError, match="MXFP4 experts at decode sizes"):
+    with pytest.raises(ValueError, match="MXFP4 experts only"):
         moe_experts_triton(x, idx, tw, gate_up=gu, down=dn, config={"gluon": True})
     if HOPPER:
-        with pytest.raises(ValueError, match="token_slots must be 8, 16 or 32"):
+        with pytest.raises(ValueError, match="token_slots must be 8, 16, 32 or 64"):
             moe_experts_gluon(x, idx, tw, *fp4.values(), token_slots=12)
         with pytest.raises(ValueError, match="k_step must be 1, 2 or 4"):
             moe_experts_gluon(x, idx, tw, *fp4.values(), k_step=2)  # 64 wide: only S = 1 divides
