@@ -281,7 +281,7 @@ def sweep(args, E, k, D, I, dev, fp4, gate_up, down):
               f"{flops / peer / 1e9:.1f} | 1.00x | | |", flush=True)
 
 
-GLUON_SWEEP = {"default (2 buffers, K step 4)": {}, "3 buffers": dict(stages=3), "4 buffers": dict(stages=4),
+GLUON_SWEEP = {"default (2 buffers; K step 4, 2 at 64 slots)": {}, "3 buffers": dict(stages=3), "4 buffers": dict(stages=4),
                "K step 2": dict(k_step=2), "3 buffers, K step 2": dict(stages=3, k_step=2),
                "16 token slots": dict(token_slots=16), "32 token slots": dict(token_slots=32),
                "64 token slots": dict(token_slots=64), "64 token slots, K step 4": dict(token_slots=64, k_step=4)}
@@ -302,7 +302,8 @@ def gluon_sweep(args, E, k, D, dev, fp4, gate_up, down):
         want = moe_experts_gluon(x, top_idx, top_w, *w).float()
         for name, kw in GLUON_SWEEP.items():
             err = ((moe_experts_gluon(x, top_idx, top_w, *w, **kw).float() - want).abs().max() / want.abs().max())
-            assert err.item() < 1e-3, f"Gluon {name} N={N}: rel err {err.item()}"
+            # bf16 outputs whose fp32 atomics add in another order (other tiles): a rounding step apart at most
+            assert err.item() < 1e-2, f"Gluon {name} N={N}: rel err {err.item()}"
         times = {name: [] for name in paths}
         for _ in range(args.rounds):
             for name, fn in paths.items():
