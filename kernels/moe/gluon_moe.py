@@ -57,7 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from .triton_moe import _align
 
-__all__ = ["gluon_decode_available", "moe_experts_gluon", "tokens_per_tile"]
+__all__ = ["gluon_available", "moe_experts_gluon", "tokens_per_tile"]
 
 BM = gl.constexpr(64)  # weight rows a program: one warpgroup's wgmma M
 # The most assignments an expert gets on average for 32 token slots a tile; above, 64 (see `tokens_per_tile`).
@@ -308,7 +308,7 @@ def _build_operand_order(k: int, device: torch.device) -> torch.Tensor:
 _cached_operand_order = functools.lru_cache(maxsize=None)(_build_operand_order)
 
 
-def gluon_decode_available(device: torch.device) -> bool:  # the name predates prefill use
+def gluon_available(device: torch.device) -> bool:
     """Gluon kernels need a real CUDA device of compute capability 9.x (Hopper: wgmma)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
@@ -336,12 +336,12 @@ def moe_experts_gluon(x, top_idx, top_w, w13_packed, w13_scale, w2_packed, w2_sc
                       linear_beta: float = 25.0, token_slots: int | None = None, k_step: int | None = None,
                       stages: int = 2):
     """x `[N, D]` -> `[N, D]` on MXFP4 experts in the released layout (see `triton_moe.moe_experts_triton`), any
-    batch size; Hopper only (`gluon_decode_available`). `token_slots` overrides NT (8, 16, 32 or 64), `k_step` the
+    batch size; Hopper only (`gluon_available`). `token_slots` overrides NT (8, 16, 32 or 64), `k_step` the
     64-input blocks of a K step (1, 2 or 4, dividing both widths), `stages` the ring buffers (2, 3 or 4; 2 measured
     fastest on the H100)."""
     E, two_i, D = w13_packed.shape[0], w13_packed.shape[1], 2 * w13_packed.shape[2]
     I = two_i // 2
-    if not gluon_decode_available(x.device):
+    if not gluon_available(x.device):
         raise RuntimeError(f"moe_experts_gluon needs a compute capability 9.x CUDA device, got {x.device}")
     if D % 64 or I % 64:
         raise ValueError(f"moe_experts_gluon: the latent and expert widths must be multiples of 64, got {D} and {I}")

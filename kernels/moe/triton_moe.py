@@ -523,10 +523,10 @@ def _resolve_config(config, block_m, *, decode: bool, fp4: bool, D: int, I: int)
 def _gluon_unavailable(device: torch.device) -> str | None:
     """Why the Gluon MXFP4 kernels cannot run on `device`, or None if they can."""
     try:
-        from .gluon_moe import gluon_decode_available
+        from .gluon_moe import gluon_available
     except ImportError as exc:  # triton without Gluon (older than 3.5)
         return f"this triton has no Gluon ({exc})"
-    if not gluon_decode_available(device):
+    if not gluon_available(device):
         return f"the Gluon kernels need a compute capability 9.x CUDA device (wgmma), got {device}"
     return None
 
