@@ -44,6 +44,21 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
 _LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
 compiled: dict[tuple, str] = {}  # (kernel, constexprs) -> "ok" or the error
+# Kernels whose atomics order memory on purpose (the AttnRes cooperative kernel's arrival counter); any other atomic
+# with acquire / release semantics is a failure: on sm_90a each one compiles to a GPU-wide fence and an L1
+# invalidation around the atomic (tl.atomic_add's default is acq_rel; the MoE scatter-adds ran 38 % slower so).
+_ORDERED_ATOMICS = ("triton_attnres._attnres_fwd_coop", "triton_attnres._attnres_bwd_coop")
+
+
+def _status(name, kernel, case):
+    """"ok", or why a compiled kernel would fail or is slowed: shared memory over the block limit, ordered atomics."""
+    shared = kernel.metadata.shared
+    if shared > H200_SHARED_BYTES:
+        return f"FAILED in case {case}: needs {shared} bytes of shared memory, the H200 has {H200_SHARED_BYTES}"
+    ordered = sorted(set(re.findall(r"\b(?:atom|red)\.[\w.]*?(?:acq_rel|acquire|release)[\w.]*", kernel.asm["ptx"])))
+    if ordered and name not in _ORDERED_ATOMICS:
+        return f"FAILED in case {case}: ordered atomics {ordered} (pass sem='relaxed' where the order does not matter)"
+    return "ok"
 _current_case = ["?"]
 
 
@@ -85,10 +100,7 @@ def _compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
         kernel = triton.compile(ASTSource(fn=self, signature=signature, constexprs=constexprs, attrs=attrs),
                                 target=TARGET, options=options or None)
         # The shared-memory check happens at load time on the GPU, not in triton.compile: do it here.
-        shared = kernel.metadata.shared
-        compiled[key] = "ok" if shared <= H200_SHARED_BYTES else (
-            f"FAILED in case {_current_case[0]}: needs {shared} bytes of shared memory, the H200 has "
-            f"{H200_SHARED_BYTES}")
+        compiled[key] = _status(key[0], kernel, _current_case[0])
     except Exception as exc:  # noqa: BLE001 - every failure is reported, then the script exits 1
         compiled[key] = f"FAILED in case {_current_case[0]}: {type(exc).__name__}: {exc}"
     return None
@@ -262,6 +274,8 @@ def _gluon_moe_cases():
 
     def run(fn, types, nt, s, stages):
         cex = gluon_moe._constexprs(nt, s, stages)
+        if fn is gluon_moe._down:
+            cex = dict(cex, ATL=gluon_moe._ATOMIC_LAYOUT, COAL=nt == 64)
         params = list(inspect.signature(fn.fn).parameters)
         signature = {p: types.get(p, "constexpr") for p in params}
         # D, I (multiples of 64) and the row strides as at K3's widths: multiples of 16, which the launcher specialises
@@ -273,7 +287,7 @@ def _gluon_moe_cases():
         try:
             kernel = triton.compile(GluonASTSource(fn, signature, cex, attrs), target=TARGET,
                                     options={"num_warps": 4})
-            compiled[key] = "ok" if kernel.metadata.shared <= H200_SHARED_BYTES else "FAILED: shared memory"
+            compiled[key] = _status(key[0], kernel, f"NT={nt} S={s} stages={stages}")
         except Exception as exc:  # noqa: BLE001 - reported like the Triton kernels' failures
             compiled[key] = f"FAILED: {type(exc).__name__}: {exc}"
 
@@ -310,8 +324,7 @@ def _gluon_mla_cases():
         try:
             kernel = triton.compile(GluonASTSource(fn, signature, cex, attrs), target=TARGET,
                                     options={"num_warps": 8})
-            compiled[key] = ("ok" if kernel.metadata.shared <= H200_SHARED_BYTES
-                             else f"FAILED: shared memory {kernel.metadata.shared}")
+            compiled[key] = _status(key[0], kernel, f"BLOCK_N={block_n} STAGES={stages}")
         except Exception as exc:  # noqa: BLE001 - reported like the Triton kernels' failures
             compiled[key] = f"FAILED: {type(exc).__name__}: {exc}"
 

@@ -10,7 +10,8 @@ the operands' roles and register layouts that `tl.dot` chooses itself:
   rows. An expert with more tokens than NT takes several tiles, each unpacking its weights again, so NT grows with
   the tokens an expert gets (`tokens_per_tile`), and the same kernels serve prefill sizes. H100, K3 shapes, 896
   experts (BENCHMARKS.md, twenty-fifth session): 2K / 4K / 8K tokens 12.0 / 21.4 / 35.3 ms, against 23.4 / 24.5 /
-  44.3 for the Triton `tl.dot_scaled` tiles that ran there before. Tried there and dropped: 128 slots (57 % padding
+  44.3 for the Triton `tl.dot_scaled` tiles that ran there before; 10.7 / - / 30.9 since `_down`'s atomics are
+  relaxed (twenty-sixth session). Tried there and dropped: 128 slots (57 % padding
   at 8K tokens, 255 registers: 43.0 ms), programs ordered expert-major so that an expert's tiles share its weights
   in L2 (10-30 % slower), 128 weight rows a program in two warpgroups sharing the token tile (8K: 36.4 against
   34.4 ms; 1K: 8.2 against 8.7, from `_down`), asynchronous wgmma with the up block's unpack overlapping the gate
@@ -40,7 +41,8 @@ About 3.5 SASS instructions a weight in the K loop (triton 3.6, sm_90a, K3 width
 
 Two kernels, the structure of `triton_moe` (whose `_align` sorts the assignments into expert tiles of NT rows):
 `_gate_up_situ` writes `h = SiTU-GLU(gate, up)` for 64 intermediate columns of a tile's tokens, stored in the
-operand order `_down` reads; `_down` multiplies by the routing weight and adds into `out[token]` with fp32 atomics.
+operand order `_down` reads; `_down` multiplies by the routing weight and adds into `out[token]` with relaxed fp32
+atomics.
 Gluon kernels do not run under `TRITON_INTERPRET`, so they are tested on the GPU (`tests/kernels/test_moe_gluon.py`)
 against the torch reference; CPU runs use the Triton or torch paths.
 """
@@ -245,8 +247,14 @@ def _gate_up_situ(X, W, WS, H, SORTED, BLOCK_EXPERT, num_assign, top_k, D, I, DW
 def _down(H, W, WS, OUT, TOPW, SORTED, BLOCK_EXPERT, num_assign, top_k, D, I, IW, IS,
           NT: gl.constexpr, S: gl.constexpr, ACC: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr,
           X_SMEM: gl.constexpr, LL: gl.constexpr, SL: gl.constexpr, W2L: gl.constexpr, WSM: gl.constexpr,
-          STAGES: gl.constexpr):
-    """out[token, 64 columns] += routing weight * (h W_down^T); grid (D / 64, tiles). W `[E, D, I / 2]`."""
+          STAGES: gl.constexpr, ATL: gl.constexpr, COAL: gl.constexpr):
+    """out[token, 64 columns] += routing weight * (h W_down^T); grid (D / 64, tiles). W `[E, D, I / 2]`.
+
+    The adds are relaxed atomics: their order does not matter, and the kernel's end orders them for the reader. The
+    default (acq_rel) put a GPU-wide fence and an L1 invalidation around each one (sm_90a SASS: `MEMBAR.ALL.GPU`,
+    `ATOMG`, `CCTL.IVALL`, 32 a thread) and took 38 % more time in this kernel at 8K tokens (H100). COAL: first move
+    the products to ATL, a warp's lanes along 32 consecutive columns of one token, so that each atomic instruction
+    covers one 128-byte line instead of 32 bytes of four tokens' (3 % at 64 token slots, nothing at 32)."""
     BK: gl.constexpr = 64 * S
     d0 = gl.program_id(0) * BM
     tile = gl.program_id(1)
@@ -257,10 +265,12 @@ def _down(H, W, WS, OUT, TOPW, SORTED, BLOCK_EXPERT, num_assign, top_k, D, I, IW
         h_ptr = H + rows[:, None] * I + gl.arange(0, BK, layout=gl.SliceLayout(0, XL))[None, :]
         # pad rows of a tile hold finite values and get no output: no mask on h
         acc, _ = _k_async(w_ptr, w_ptr, s_ptr, s_ptr, h_ptr, None, I, NT, S, ACC, WL, W2L, WSM, X_SMEM, STAGES, False)
-        assign, valid, token = _tile_rows(SORTED, tile, num_assign, top_k, NT, gl.SliceLayout(0, ACC))
+        L: gl.constexpr = ATL if COAL else ACC
+        acc = gl.convert_layout(acc, L)
+        assign, valid, token = _tile_rows(SORTED, tile, num_assign, top_k, NT, gl.SliceLayout(0, L))
         wt = gl.load(TOPW + assign, mask=valid, other=0.0) * UNSCALE
-        d = d0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))
-        gl.atomic_add(OUT + token[None, :] * D + d[:, None], acc * wt[None, :], mask=valid[None, :])
+        d = d0 + gl.arange(0, BM, layout=gl.SliceLayout(1, L))
+        gl.atomic_add(OUT + token[None, :] * D + d[:, None], acc * wt[None, :], mask=valid[None, :], sem="relaxed")
 
 
 # Cached: built once per shape (tens of microseconds of Python a launch otherwise); callers must not mutate it.
@@ -287,6 +297,10 @@ def _constexprs(nt: int, s: int, stages: int) -> dict:
     return dict(NT=nt, S=s, ACC=acc, WL=wl, XL=gl.BlockedLayout([1, 8], [32 // cols, cols], [4, 1], [1, 0]),
                 X_SMEM=gl.NVMMASharedLayout.get_default_for([nt, 64 * s], gl.bfloat16), LL=ll, SL=sl, W2L=w2l,
                 WSM=wsm, STAGES=stages)
+
+
+# `_down`'s atomic adds: a warp's 32 lanes along 32 consecutive output columns of one token (a 128-byte line)
+_ATOMIC_LAYOUT = gl.BlockedLayout([1, 1], [32, 1], [1, 4], [0, 1])
 
 
 def _operand_order(k: int, device: torch.device) -> torch.Tensor:
@@ -365,5 +379,6 @@ def moe_experts_gluon(x, top_idx, top_w, w13_packed, w13_scale, w2_packed, w2_sc
     _gate_up_situ[(I // BM, tiles)](xb, w13_packed, w13_scale, hbuf, sorted_ids, block_expert, N * k, k, D, I,
                                     D // 8, D // 32, beta, linear_beta, **_constexprs(nt, s1, stages), num_warps=4)
     _down[(D // BM, tiles)](hbuf, w2_packed, w2_scale, out, top_w.reshape(-1).float().contiguous(), sorted_ids,
-                            block_expert, N * k, k, D, I, I // 8, I // 32, **_constexprs(nt, s2, stages), num_warps=4)
+                            block_expert, N * k, k, D, I, I // 8, I // 32, **_constexprs(nt, s2, stages),
+                            ATL=_ATOMIC_LAYOUT, COAL=nt == 64, num_warps=4)
     return out.to(x.dtype)

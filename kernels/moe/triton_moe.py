@@ -6,8 +6,8 @@ The (token, slot) assignments are sorted by expert and each expert's run is padd
 1. `_gate_up_situ`: `h = SiTU-GLU(x W_gate^T, x W_up^T)` for a `[BLOCK_M, BLOCK_N]` tile of the intermediate width,
    both products accumulated side by side so `x` is loaded once; written as `[padded rows, I]` in x.dtype.
 2. `_down`: `y = (h W_down^T) * routing weight`, reduced over a token's slots one of two ways (`reduce`):
-   "atomic" adds it with an fp32 atomic into `out[token]` (a token's 16 slots meet there; fp32 keeps the sum as
-   accurate as the reference; the order of the adds, so the last bits, vary run to run); "sorted" stores it at its
+   "atomic" adds it with a relaxed fp32 atomic into `out[token]` (a token's 16 slots meet there; fp32 keeps the sum
+   as accurate as the reference; the order of the adds, so the last bits, vary run to run); "sorted" stores it at its
    assignment id (row `token * top_k + slot` of a `[N * top_k, D]` fp32 buffer: no atomics, deterministic) and
    torch sums the k rows of each token afterwards (one more pass over `N * top_k * D * 4` bytes).
 
@@ -203,7 +203,9 @@ def _down_store(OUT, TOPW, assign, valid, token, n, D, acc, REDUCE_SORTED: tl.co
         # Each assignment id occurs once in SORTED, so every (row, channel) of OUT is written by exactly one program.
         tl.store(OUT + assign.to(tl.int64)[:, None] * D + n[None, :], acc * wt[:, None], mask=mask)
     else:
-        tl.atomic_add(OUT + token[:, None] * D + n[None, :], acc * wt[:, None], mask=mask)
+        # relaxed: the order of the adds does not matter and the kernel's end orders them for the reader; the default
+        # acq_rel puts a GPU-wide fence and an L1 invalidation around every element's atomic (sm_90a SASS)
+        tl.atomic_add(OUT + token[:, None] * D + n[None, :], acc * wt[:, None], mask=mask, sem="relaxed")
 
 
 @triton.jit
