@@ -125,7 +125,8 @@ def _unpack_mma(words, sb, x_tile, acc, S: gl.constexpr, ACC: gl.constexpr):
 
 
 @gluon.jit
-def _weight_ptrs(W, WS, e, row0, RW, RS, S: gl.constexpr, LL: gl.constexpr, SL: gl.constexpr):
+def _weight_ptrs(W, WS, e, row0, RW, RS, S: gl.constexpr, LL: gl.constexpr, SL: gl.constexpr, WL: gl.constexpr,
+                 SDIRECT: gl.constexpr):
     """Pointers to the first K step of 64 weight rows from row0 of expert e (packed `[E, R, K / 2]` bytes, read as
     int32 words, RW = K / 8 a row; scales `[E, R, K / 32]`, RS = K / 32 a row), R = num_programs(0) * 64 rows:
     words `[64, 8 S]` in layout LL (16 bytes a thread), scales `[64, 2 S]` in SL (a row's 2 S bytes a thread).
@@ -135,8 +136,22 @@ def _weight_ptrs(W, WS, e, row0, RW, RS, S: gl.constexpr, LL: gl.constexpr, SL: 
     rw = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, LL))
     w_ptr = (W.to(gl.pointer_type(gl.int32)) + (e * R + rw[:, None]) * RW
              + gl.arange(0, 8 * S, layout=gl.SliceLayout(0, LL))[None, :])
-    rs = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, SL))
-    s_ptr = WS + (e * R + rs[:, None]) * RS + gl.arange(0, 2 * S, layout=gl.SliceLayout(0, SL))[None, :]
+    if SDIRECT:
+        # `[64, S, 4]` loaded straight into `_unpack_mma`'s scale layout, (row, block b, c) -> byte 2 b + c // 2 of the
+        # row's step, instead of `_scales_wl`'s conversion (two barriers a weight block a K step). Taken at 64 token
+        # slots (H100, twenty-sixth session: 2K / 8K tokens 10.34 / 29.30 against 10.60 / 29.79 ms); at 32 slots and
+        # fewer, where S = 4, the byte loads cost registers (195 against 177 in `_gate_up_situ`) and it was slower
+        # (1K tokens 8.17 against 7.73, 64 tokens 3.84 against 3.73).
+        L3: gl.constexpr = gl.SliceLayout(3, WL)
+        rs = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        bs = gl.arange(0, S, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        cs = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+        off = (gl.expand_dims(gl.expand_dims((e * R + rs) * RS, 1), 2) + gl.expand_dims(gl.expand_dims(2 * bs, 0), 2)
+               + gl.expand_dims(gl.expand_dims(cs // 2, 0), 1))
+        s_ptr = WS + off
+    else:
+        rs = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, SL))
+        s_ptr = WS + (e * R + rs[:, None]) * RS + gl.arange(0, 2 * S, layout=gl.SliceLayout(0, SL))[None, :]
     return w_ptr, s_ptr
 
 
@@ -159,7 +174,7 @@ def _issue(a_ptr, a_ring, b_ptr, b_ring, x_ptr, x_mask, x_ring, k, st, BK: gl.co
 @gluon.jit
 def _k_async(a_ptr, b_ptr, sa_ptr, sb_ptr, x_ptr, x_mask, K, NT: gl.constexpr, S: gl.constexpr, ACC: gl.constexpr,
              WL: gl.constexpr, W2L: gl.constexpr, WSM: gl.constexpr, X_SMEM: gl.constexpr, STAGES: gl.constexpr,
-             TWO: gl.constexpr):
+             TWO: gl.constexpr, SDIRECT: gl.constexpr):
     """The K loop with the words (coalesced, `[64, 8 S]` a step) and the token tile (contiguous: the host gathers
     it into the operand order) streamed by `cp.async` into rings of STAGES buffers, STAGES - 1 steps ahead; the
     scales one step ahead in registers. Returns the accumulators of one (two when TWO) weight blocks."""
@@ -196,10 +211,10 @@ def _k_async(a_ptr, b_ptr, sa_ptr, sb_ptr, x_ptr, x_mask, K, NT: gl.constexpr, S
             sb_next = gl.load(sb_ptr + kq)
         st = k % STAGES
         words = gl.convert_layout(gl.reshape(a_ring.index(st).load(W2L), [BM, S, 4, 2]), WL)
-        acc_a = _unpack_mma(words, _scales_wl(sa, S, WL), x_ring.index(st), acc_a, S, ACC)
+        acc_a = _unpack_mma(words, sa if SDIRECT else _scales_wl(sa, S, WL), x_ring.index(st), acc_a, S, ACC)
         if TWO:
             words = gl.convert_layout(gl.reshape(b_ring.index(st).load(W2L), [BM, S, 4, 2]), WL)
-            acc_b = _unpack_mma(words, _scales_wl(sb, S, WL), x_ring.index(st), acc_b, S, ACC)
+            acc_b = _unpack_mma(words, sb if SDIRECT else _scales_wl(sb, S, WL), x_ring.index(st), acc_b, S, ACC)
         sa = sa_next
         sb = sb_next
     cp.wait_group(0)
@@ -218,7 +233,7 @@ def _tile_rows(SORTED, tile, num_assign, top_k, NT: gl.constexpr, layout: gl.con
 def _gate_up_situ(X, W, WS, H, SORTED, BLOCK_EXPERT, num_assign, top_k, D, I, DW, DS, beta, linear_beta,
                   NT: gl.constexpr, S: gl.constexpr, ACC: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr,
                   X_SMEM: gl.constexpr, LL: gl.constexpr, SL: gl.constexpr, W2L: gl.constexpr, WSM: gl.constexpr,
-                  STAGES: gl.constexpr):
+                  STAGES: gl.constexpr, SDIRECT: gl.constexpr):
     """h[tile rows, 64 columns] = SiTU-GLU(x W_gate^T, x W_up^T); grid (I / 64, tiles). W `[E, 2I, D / 2]` (gate
     rows first, then up); X `[N, D]` gathered into the operand order. h is stored in the operand order of `_down`'s
     K steps."""
@@ -228,12 +243,12 @@ def _gate_up_situ(X, W, WS, H, SORTED, BLOCK_EXPERT, num_assign, top_k, D, I, DW
     e = gl.load(BLOCK_EXPERT + tile)
     if e >= 0:  # spare tiles of `_align`'s bound have no expert
         e64 = e.to(gl.int64)
-        wg_ptr, sg_ptr = _weight_ptrs(W, WS, e64 * 2, n0, DW, DS, S, LL, SL)  # 2I rows: 2 e "experts" of I
-        wu_ptr, su_ptr = _weight_ptrs(W, WS, e64 * 2 + 1, n0, DW, DS, S, LL, SL)
+        wg_ptr, sg_ptr = _weight_ptrs(W, WS, e64 * 2, n0, DW, DS, S, LL, SL, WL, SDIRECT)  # 2I rows: 2 e "experts"
+        wu_ptr, su_ptr = _weight_ptrs(W, WS, e64 * 2 + 1, n0, DW, DS, S, LL, SL, WL, SDIRECT)
         assign, valid, token = _tile_rows(SORTED, tile, num_assign, top_k, NT, gl.SliceLayout(1, XL))
         x_ptr = X + token[:, None] * D + gl.arange(0, BK, layout=gl.SliceLayout(0, XL))[None, :]
         acc_g, acc_u = _k_async(wg_ptr, wu_ptr, sg_ptr, su_ptr, x_ptr, valid[:, None], D, NT, S, ACC, WL, W2L, WSM,
-                                X_SMEM, STAGES, True)
+                                X_SMEM, STAGES, True, SDIRECT)
         acc_g = acc_g * UNSCALE
         acc_u = acc_u * UNSCALE
         h = beta * _tanh(acc_g / beta) * _sigmoid(acc_g) * (linear_beta * _tanh(acc_u / linear_beta))
@@ -247,7 +262,7 @@ def _gate_up_situ(X, W, WS, H, SORTED, BLOCK_EXPERT, num_assign, top_k, D, I, DW
 def _down(H, W, WS, OUT, TOPW, SORTED, BLOCK_EXPERT, num_assign, top_k, D, I, IW, IS,
           NT: gl.constexpr, S: gl.constexpr, ACC: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr,
           X_SMEM: gl.constexpr, LL: gl.constexpr, SL: gl.constexpr, W2L: gl.constexpr, WSM: gl.constexpr,
-          STAGES: gl.constexpr, ATL: gl.constexpr, COAL: gl.constexpr):
+          STAGES: gl.constexpr, SDIRECT: gl.constexpr, ATL: gl.constexpr, COAL: gl.constexpr):
     """out[token, 64 columns] += routing weight * (h W_down^T); grid (D / 64, tiles). W `[E, D, I / 2]`.
 
     The adds are relaxed atomics: their order does not matter, and the kernel's end orders them for the reader. The
@@ -260,11 +275,12 @@ def _down(H, W, WS, OUT, TOPW, SORTED, BLOCK_EXPERT, num_assign, top_k, D, I, IW
     tile = gl.program_id(1)
     e = gl.load(BLOCK_EXPERT + tile)
     if e >= 0:
-        w_ptr, s_ptr = _weight_ptrs(W, WS, e.to(gl.int64), d0, IW, IS, S, LL, SL)
+        w_ptr, s_ptr = _weight_ptrs(W, WS, e.to(gl.int64), d0, IW, IS, S, LL, SL, WL, SDIRECT)
         rows = (tile * NT + gl.arange(0, NT, layout=gl.SliceLayout(1, XL))).to(gl.int64)
         h_ptr = H + rows[:, None] * I + gl.arange(0, BK, layout=gl.SliceLayout(0, XL))[None, :]
         # pad rows of a tile hold finite values and get no output: no mask on h
-        acc, _ = _k_async(w_ptr, w_ptr, s_ptr, s_ptr, h_ptr, None, I, NT, S, ACC, WL, W2L, WSM, X_SMEM, STAGES, False)
+        acc, _ = _k_async(w_ptr, w_ptr, s_ptr, s_ptr, h_ptr, None, I, NT, S, ACC, WL, W2L, WSM, X_SMEM, STAGES, False,
+                          SDIRECT)
         L: gl.constexpr = ATL if COAL else ACC
         acc = gl.convert_layout(acc, L)
         assign, valid, token = _tile_rows(SORTED, tile, num_assign, top_k, NT, gl.SliceLayout(0, L))
@@ -296,9 +312,7 @@ def _constexprs(nt: int, s: int, stages: int) -> dict:
     cols = min(32, 8 * s)  # threads along K of the token tile, 8 inputs each
     return dict(NT=nt, S=s, ACC=acc, WL=wl, XL=gl.BlockedLayout([1, 8], [32 // cols, cols], [4, 1], [1, 0]),
                 X_SMEM=gl.NVMMASharedLayout.get_default_for([nt, 64 * s], gl.bfloat16), LL=ll, SL=sl, W2L=w2l,
-                WSM=wsm, STAGES=stages)
-
-
+                WSM=wsm, STAGES=stages, SDIRECT=nt == 64)
 # `_down`'s atomic adds: a warp's 32 lanes along 32 consecutive output columns of one token (a 128-byte line)
 _ATOMIC_LAYOUT = gl.BlockedLayout([1, 1], [32, 1], [1, 4], [0, 1])
 
