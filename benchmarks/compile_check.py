@@ -59,6 +59,8 @@ def _status(name, kernel, case):
     if ordered and name not in _ORDERED_ATOMICS:
         return f"FAILED in case {case}: ordered atomics {ordered} (pass sem='relaxed' where the order does not matter)"
     return "ok"
+
+
 _current_case = ["?"]
 
 

@@ -10,12 +10,12 @@ the operands' roles and register layouts that `tl.dot` chooses itself:
   rows. An expert with more tokens than NT takes several tiles, each unpacking its weights again, so NT grows with
   the tokens an expert gets (`tokens_per_tile`), and the same kernels serve prefill sizes. H100, K3 shapes, 896
   experts (BENCHMARKS.md, twenty-fifth session): 2K / 4K / 8K tokens 12.0 / 21.4 / 35.3 ms, against 23.4 / 24.5 /
-  44.3 for the Triton `tl.dot_scaled` tiles that ran there before; 10.7 / - / 30.9 since `_down`'s atomics are
-  relaxed (twenty-sixth session). Tried there and dropped: 128 slots (57 % padding
-  at 8K tokens, 255 registers: 43.0 ms), programs ordered expert-major so that an expert's tiles share its weights
-  in L2 (10-30 % slower), 128 weight rows a program in two warpgroups sharing the token tile (8K: 36.4 against
-  34.4 ms; 1K: 8.2 against 8.7, from `_down`), asynchronous wgmma with the up block's unpack overlapping the gate
-  block's product (more registers, fewer programs an SM: 1-13 % slower from 64 to 8K tokens).
+  44.3 for the Triton `tl.dot_scaled` tiles that ran there before; 10.3 / - / 29.3 since `_down`'s atomics are
+  relaxed and the scales load straight into the unpack's layout (twenty-sixth session). Tried there and dropped:
+  128 slots (57 % padding at 8K tokens, 255 registers: 43.0 ms), programs ordered expert-major so that an expert's
+  tiles share its weights in L2 (10-30 % slower), 128 weight rows a program in two warpgroups sharing the token
+  tile (8K: 36.4 against 34.4 ms; 1K: 8.2 against 8.7, from `_down`), asynchronous wgmma with the up block's unpack
+  overlapping the gate block's product (more registers, fewer programs an SM: 1-13 % slower from 64 to 8K tokens).
 - The packed weights are read coalesced: 16-byte `cp.async` copies, a warp's covering whole rows' K steps (4 rows
   x 128 bytes at S = 4), into shared-memory rings of STAGES buffers (XOR-swizzled by row), STAGES - 1 steps ahead,
   and read from there into the left operand's rows: of each 32-byte block (64 inputs) of its rows r and r + 8, the
@@ -129,7 +129,8 @@ def _weight_ptrs(W, WS, e, row0, RW, RS, S: gl.constexpr, LL: gl.constexpr, SL: 
                  SDIRECT: gl.constexpr):
     """Pointers to the first K step of 64 weight rows from row0 of expert e (packed `[E, R, K / 2]` bytes, read as
     int32 words, RW = K / 8 a row; scales `[E, R, K / 32]`, RS = K / 32 a row), R = num_programs(0) * 64 rows:
-    words `[64, 8 S]` in layout LL (16 bytes a thread), scales `[64, 2 S]` in SL (a row's 2 S bytes a thread).
+    words `[64, 8 S]` in layout LL (16 bytes a thread), scales `[64, 2 S]` in SL (a row's 2 S bytes a thread), or
+    with SDIRECT `[64, S, 4]` in the unpack's layout.
     Hoisted, so each K step only adds a scalar. RW and RS are arguments of their own so that the launcher's
     divisibility specialisation sees them (K3's widths: multiples of 16), which vectorises the copies."""
     R = gl.num_programs(0) * BM
@@ -313,6 +314,8 @@ def _constexprs(nt: int, s: int, stages: int) -> dict:
     return dict(NT=nt, S=s, ACC=acc, WL=wl, XL=gl.BlockedLayout([1, 8], [32 // cols, cols], [4, 1], [1, 0]),
                 X_SMEM=gl.NVMMASharedLayout.get_default_for([nt, 64 * s], gl.bfloat16), LL=ll, SL=sl, W2L=w2l,
                 WSM=wsm, STAGES=stages, SDIRECT=nt == 64)
+
+
 # `_down`'s atomic adds: a warp's 32 lanes along 32 consecutive output columns of one token (a 128-byte line)
 _ATOMIC_LAYOUT = gl.BlockedLayout([1, 1], [32, 1], [1, 4], [0, 1])
 
