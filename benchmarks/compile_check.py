@@ -277,7 +277,7 @@ def _gluon_moe_cases():
     def run(fn, types, nt, s, stages):
         cex = gluon_moe._constexprs(nt, s, stages)
         if fn is gluon_moe._down:
-            cex = dict(cex, ATL=gluon_moe._ATOMIC_LAYOUT, COAL=nt == 64)
+            cex = dict(cex, **gluon_moe._down_constexprs(nt))
         params = list(inspect.signature(fn.fn).parameters)
         signature = {p: types.get(p, "constexpr") for p in params}
         # D, I (multiples of 64) and the row strides as at K3's widths: multiples of 16, which the launcher specialises

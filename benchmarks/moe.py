@@ -281,10 +281,20 @@ def sweep(args, E, k, D, I, dev, fp4, gate_up, down):
               f"{flops / peer / 1e9:.1f} | 1.00x | | |", flush=True)
 
 
-GLUON_SWEEP = {"default (2 buffers; K step 4, 2 at 64 slots)": {}, "3 buffers": dict(stages=3), "4 buffers": dict(stages=4),
+GLUON_SWEEP = {"default (2 buffers; K step 4, 2 at 64 slots)": {}, "3 buffers": dict(stages=3),
+               "4 buffers": dict(stages=4),
                "K step 2": dict(k_step=2), "3 buffers, K step 2": dict(stages=3, k_step=2),
                "16 token slots": dict(token_slots=16), "32 token slots": dict(token_slots=32),
                "64 token slots": dict(token_slots=64), "64 token slots, K step 4": dict(token_slots=64, k_step=4)}
+
+
+def random_mxfp4(E, D, I, dev):
+    """Random MXFP4 experts in the released layout (`moe_experts_triton`'s keywords): uniform E2M1 bytes, E8M0 scales
+    around 2**-7 so that the dequantised weights are ~N(0, 0.01)-sized."""
+    return dict(w13_packed=torch.randint(0, 256, (E, 2 * I, D // 2), dtype=torch.uint8, device=dev),
+                w13_scale=torch.randint(119, 123, (E, 2 * I, D // 32), dtype=torch.uint8, device=dev),
+                w2_packed=torch.randint(0, 256, (E, D, I // 2), dtype=torch.uint8, device=dev),
+                w2_scale=torch.randint(119, 123, (E, D, I // 32), dtype=torch.uint8, device=dev))
 
 
 def gluon_sweep(args, E, k, D, dev, fp4, gate_up, down):
@@ -341,17 +351,14 @@ def main():
     # top-k capped at the expert count, so a smoke run with few experts keeps the default --top-k
     E, k, (D, I), dev = args.experts, min(args.top_k, args.experts), args.dims, args.device
     torch.manual_seed(0)
-    # Random MXFP4 experts (scales around 2**-7 so dequantised weights are ~N(0, 0.01)-sized), and their exact bf16.
-    w13p = torch.randint(0, 256, (E, 2 * I, D // 2), dtype=torch.uint8, device=dev)
-    w13s = torch.randint(119, 123, (E, 2 * I, D // 32), dtype=torch.uint8, device=dev)
-    w2p = torch.randint(0, 256, (E, D, I // 2), dtype=torch.uint8, device=dev)
-    w2s = torch.randint(119, 123, (E, D, I // 32), dtype=torch.uint8, device=dev)
+    fp4 = random_mxfp4(E, D, I, dev)
+    w13p, w13s, w2p, w2s = fp4.values()
+    # their exact bf16
     gate_up = torch.empty(E, 2 * I, D, dtype=torch.bfloat16, device=dev)
     down = torch.empty(E, D, I, dtype=torch.bfloat16, device=dev)
     for e in range(E):  # dequantise expert by expert: the fp32 temporaries of all 896 would not fit
         gate_up[e] = dequantize_mxfp4(w13p[e], w13s[e])
         down[e] = dequantize_mxfp4(w2p[e], w2s[e])
-    fp4 = dict(w13_packed=w13p, w13_scale=w13s, w2_packed=w2p, w2_scale=w2s)
     if args.sweep and "mxfp4" not in args.formats.lower().split(","):
         del fp4, w13p, w13s, w2p, w2s  # 16 GB: room for prefill's activations next to 59 GB of bf16 on an 80 GB card
         fp4 = None

@@ -89,10 +89,7 @@ def moe_fp4():
     from k3_kernels.moe.triton_moe import moe_experts_triton
 
     E, k, D, I = 64, 16, 3584, 3072
-    fp4 = dict(w13_packed=torch.randint(0, 256, (E, 2 * I, D // 2), dtype=torch.uint8, device="cuda"),
-               w13_scale=torch.randint(119, 123, (E, 2 * I, D // 32), dtype=torch.uint8, device="cuda"),
-               w2_packed=torch.randint(0, 256, (E, D, I // 2), dtype=torch.uint8, device="cuda"),
-               w2_scale=torch.randint(119, 123, (E, D, I // 32), dtype=torch.uint8, device="cuda"))
+    fp4 = M.random_mxfp4(E, D, I, "cuda")
     for tokens in (1024, 8192):  # 18 and 146 rows an expert, as at 896 experts
         x, top_idx, top_w, _ = M._tokens(tokens * E // 896, E, k, D, "cuda")
         _region(lambda: moe_experts_triton(x, top_idx, top_w, **fp4))

@@ -320,6 +320,11 @@ def _constexprs(nt: int, s: int, stages: int) -> dict:
 _ATOMIC_LAYOUT = gl.BlockedLayout([1, 1], [32, 1], [1, 4], [0, 1])
 
 
+def _down_constexprs(nt: int) -> dict:
+    """`_down`'s own constexprs: the atomics' layout, taken at 64 token slots (see its docstring)."""
+    return dict(ATL=_ATOMIC_LAYOUT, COAL=nt == 64)
+
+
 def _operand_order(k: int, device: torch.device) -> torch.Tensor:
     """The input held at each of the k operand positions: position 64 b + 16 t + 8 h + 2 c + q holds input
     64 b + 16 c + 8 (o // 4) + 4 q + o % 4, o = 2 t + h (see the module doc). Cached per width and device, except
@@ -397,5 +402,5 @@ def moe_experts_gluon(x, top_idx, top_w, w13_packed, w13_scale, w2_packed, w2_sc
                                     D // 8, D // 32, beta, linear_beta, **_constexprs(nt, s1, stages), num_warps=4)
     _down[(D // BM, tiles)](hbuf, w2_packed, w2_scale, out, top_w.reshape(-1).float().contiguous(), sorted_ids,
                             block_expert, N * k, k, D, I, I // 8, I // 32, **_constexprs(nt, s2, stages),
-                            ATL=_ATOMIC_LAYOUT, COAL=nt == 64, num_warps=4)
+                            **_down_constexprs(nt), num_warps=4)
     return out.to(x.dtype)
