@@ -44,9 +44,11 @@ rhs is block lower triangular; its inverse X is built by blocks, X_ii = (I + dia
 16x16 forward substitution and X_ij = -X_ii sum_{j <= m < i} diag(beta_i) Akk_im X_mj, then applied to
 rhs = k e^G (giving w) and rhs = v (giving u0). All of this is independent of the state and runs parallel over
 (chunk, head) in two kernels: ``_kda_chunk64_prep_kernel`` (the sub-tile blocks: Aqk, and X diag(beta) to an
-fp32 [64, 64] scratch) and ``_kda_chunk64_wu_kernel`` (whole-chunk [64, K] tiles: w and u0 as single
-[64, 64] x [64, BK] products, qg = s q e^G (q.dtype), kd = k e^{G_last - G}, G_last).
-``_kda_chunk64_state_kernel`` (sequential over chunks per (sequence, head, V-block)) then only does
+fp32 [64, 64] scratch) and ``_kda_chunk64_wu_kernel`` (whole-chunk [64, K] tiles: w (and u0, see below) as
+a single [64, 64] x [64, BK] product, qg = s q e^G (q.dtype), kd = k e^{G_last - G}, G_last).
+``_kda_chunk64_state_kernel`` (sequential over chunks per (sequence, head, V-block)) then does
+u0 = X diag(beta) v from the scratch (independent of S, so it overlaps the loop's dependent products, and no
+fp32 u0 buffer goes through HBM; V-blocks narrower than 64 load u0 from the w / u0 kernel instead),
 u = u0 - w S, o = qg S + Aqk u, S <- e^{G_last} S + kd^T u. Chunks never cross a sequence boundary
 (per-sequence chunk indices, the last chunk of a sequence partial and masked). Precision of the buffers and
 dots: see ``_chunk64_fwd``.
@@ -395,12 +397,6 @@ def _acc2(A, Q, lk, lq, right, DOT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _load_cols(ptr, rows, m_t, i_h, o_c, H: tl.constexpr, D: tl.constexpr):
-    # columns o_c of the rows' [.., H, D] entries as fp32 [BS, len(o_c)], rows past the sequence end zero
-    return tl.load(ptr + (rows[:, None] * H + i_h) * D + o_c[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _rows_of(bos, L, t0, BS: tl.constexpr):
     pos = t0 + tl.arange(0, BS)
     return bos + pos, pos < L
@@ -483,10 +479,10 @@ def _kda_chunk64_prep_kernel(
     Then the norms scale the blocks (``<x_a / |x_a|, y_b / |y_b|>``), Aqk is stored, the diagonal blocks of X
     come from the 16 x 16 forward substitution and X_ij = -X_ii sum_{j <= m < i} diag(beta_i) A_im X_mj.
 
-    Everything [64, K]-shaped (w, u0, qg, kd) is left to ``_kda_chunk64_wu_kernel``, whose products are single
-    [64, 64] x [64, BK] dots. One kernel doing both ran at 4 warps: 2.92 ms at T = 8K, H = 96 on the H200,
-    against 1.02 + 0.87 ms for the two; moving Aqk to the second kernel as well (two masked [64, 64] products a
-    slice) cost it more than it saved here (BENCHMARKS.md, eighth session).
+    Everything [64, K]-shaped (w, qg, kd, u0) is left to ``_kda_chunk64_wu_kernel``, whose products are single
+    [64, 64] x [64, BK] dots (u0 = Xb v too at block_v < 64). One kernel doing both ran at 4 warps: 2.92 ms at
+    T = 8K, H = 96 on the H200, against 1.02 + 0.87 ms for the two; moving Aqk to the second kernel as well (two
+    masked [64, 64] products a slice) cost it more than it saved here (BENCHMARKS.md, eighth session).
     """
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -627,12 +623,13 @@ def _kda_chunk64_wu_kernel(
     q, k, v, g, cu_seqlens, chunk_indices, A_log, dt_bias, x_buf, r_buf,
     w_buf, u_buf, qg_buf, kd_buf, gl_buf, lower_bound, T, NT,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    USE_GATE: tl.constexpr, WU_DOT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_GATE: tl.constexpr, WU_DOT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, STORE_U: tl.constexpr,
 ):
     """Second 64-token prep kernel, per (chunk, head), fully parallel, on whole-chunk [64, BK] tiles: with
-    Xb = X diag(beta) and the row scales from ``_kda_chunk64_prep_kernel``, w = Xb (k / |k|) e^G and u0 = Xb v
-    are single [64, 64] x [64, BK] products; qg = s q / |q| e^G, kd = k / |k| e^{G_last - G} and G_last come
-    from the same tiles. G spans (-320, 0] over the chunk: only e^G and e^{G_last - G} (both <= 1) are formed.
+    Xb = X diag(beta) and the row scales from ``_kda_chunk64_prep_kernel``, w = Xb (k / |k|) e^G is a single
+    [64, 64] x [64, BK] product; qg = s q / |q| e^G, kd = k / |k| e^{G_last - G} and G_last come from the same
+    tiles. G spans (-320, 0] over the chunk: only e^G and e^{G_last - G} (both <= 1) are formed.
+    u0 = Xb v (fp32 [B, T, H, V]) is stored only with STORE_U: by default the state kernel forms it (``U_XB``).
     """
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -666,20 +663,21 @@ def _kda_chunk64_wu_kernel(
         tl.store(kd_buf + p, (b_k * tl.exp(gl[None, :] - G)).to(kd_buf.dtype.element_ty), mask=m2)
         tl.store(gl_buf + (i_c * H + i_h).to(tl.int64) * K + o_c, gl)
         tl.store(w_buf + p, _mm64(xb, b_k * eG, WU_DOT).to(w_buf.dtype.element_ty), mask=m2)
-    for vv in range(0, V, BV):
-        o_c = vv + tl.arange(0, BV)
-        b_v = _load_cols(v, rows, m_t, i_h, o_c, H, V)
-        tl.store(u_buf + (rows[:, None] * H + i_h) * V + o_c[None, :],
-                 _mm64(xb, b_v, WU_DOT).to(u_buf.dtype.element_ty), mask=m2)
-
+    if STORE_U:
+        for vv in range(0, V, BV):
+            o_c = vv + tl.arange(0, BV)
+            p_v = (rows[:, None] * H + i_h) * V + o_c[None, :]
+            b_v = tl.load(v + p_v, mask=m2, other=0.0)
+            tl.store(u_buf + p_v, _mm64(xb, b_v, WU_DOT).to(u_buf.dtype.element_ty), mask=m2)
 
 
 @triton.jit
 def _kda_chunk64_state_kernel(
     w_buf, u_buf, qg_buf, kd_buf, A_buf, gl_buf, o, h0, ht, cu_seqlens, chunk_offsets, T, NT, h_buf, vn_buf,
+    x_buf, v,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr, STATE_DOT: tl.constexpr,
-    STORED: tl.constexpr = False,
+    STORED: tl.constexpr = False, U_XB: tl.constexpr = False, U_DOT: tl.constexpr = 0,
 ):
     """Per (sequence, head, V-block), sequential over 64-token chunks: only the products with the state.
 
@@ -691,6 +689,11 @@ def _kda_chunk64_state_kernel(
     to h_buf [global chunk, H, K, V] and u (fla's "v_new") to vn_buf [B, T, H, V], and
     ``_kda_chunk_output_kernel`` computes o = qg h + Aqk u for all chunks in parallel. The loop then carries
     only two dependent dots per chunk (w S, kd^T u) instead of four.
+
+    U_XB (64-token chunks, see ``_u_in_state``): u0 = Xb v is formed here from the prep's Xb scratch
+    [chunks, H, 64, 64] and v, with the w / u0 kernel's product mode U_DOT, instead of being loaded from the fp32
+    u0 buffer that kernel would write: 0.8 GB less HBM traffic at T = 8K, H = 96, V = 128; the product does not
+    depend on S.
     """
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -708,7 +711,13 @@ def _kda_chunk64_state_kernel(
         m2 = m_t[:, None]
         b_w = tl.load(w_buf + p_k, mask=m2, other=0.0)
         b_kd = tl.load(kd_buf + p_k, mask=m2, other=0.0)
-        b_u = tl.load(u_buf + p_v, mask=m2, other=0.0)
+        if U_XB:
+            # blocks above the 16-row diagonal blocks of Xb are zero and were never written
+            b_xb = tl.load(x_buf + ((c0 + i_t) * H + i_h) * (BT * BT) + o_t[:, None] * BT + o_t[None, :],
+                           mask=(o_t[:, None] // 16) >= (o_t[None, :] // 16), other=0.0)
+            b_u = _mm64(b_xb, tl.load(v + p_v, mask=m2, other=0.0), U_DOT)  # u0 [BT, BV]
+        else:
+            b_u = tl.load(u_buf + p_v, mask=m2, other=0.0)
         b_gl = tl.load(gl_buf + ((c0 + i_t) * H + i_h) * K + o_k)
         if STORED:
             # state entering chunk c0 + i_t, [K, BV] slice of h_buf[c0 + i_t, i_h]
@@ -798,7 +807,8 @@ def chunk_kda_fwd(
     the state at the start of every chunk into h [chunks, H, K, V] (``h_dtype``: default bf16 for bf16 inputs,
     as fla, fp32 otherwise), then a fully parallel kernel over (chunk, head, V-block) computes
     o = qg h + Aqk u (see ``_stored_fwd``). h costs chunks * H * K * V * 2 bytes (bf16) while the call runs:
-    6.4 GB at T = 128K, H = 96, K = V = 128, as much as the fp32 u0 buffer both paths hold.
+    6.4 GB at T = 128K, H = 96, K = V = 128 (at block_v >= 64 the 64-token path keeps no u0 buffer: its state
+    kernel forms u0 from the prep's X diag(beta) scratch and v).
     ``output="fused"``: the sequential kernel computes o itself and no h is kept (for the longest single-call
     prefills when memory is short; 15 % slower at T = 8K).
     Tuning: ``block_v`` / ``num_warps`` / ``num_stages`` for the state kernel (block_v default min(V, 64)
@@ -806,10 +816,11 @@ def chunk_kda_fwd(
     ``out_num_warps`` / ``out_num_stages`` for the output kernel (defaults min(V, 128) / 4 / 2).
 
     ``chunk_size=64`` (the default): the 64-token path, parallel prep over (chunk, head) in two kernels
-    (``_kda_chunk64_prep_kernel``: Aqk and the UT inverse; ``_kda_chunk64_wu_kernel``: w, u0, qg, kd), then
-    ``_kda_chunk64_state_kernel`` sequential over chunks; ``split`` is ignored. ``num_warps`` / ``num_stages``
-    tune the sequential kernel (default num_stages 2, falling back to 1 when shared memory is short),
-    ``prep_num_warps`` the first prep kernel (1, the default, or 2).
+    (``_kda_chunk64_prep_kernel``: Aqk and the UT inverse; ``_kda_chunk64_wu_kernel``: w, qg, kd, and u0 at
+    block_v < 64), then ``_kda_chunk64_state_kernel`` sequential over chunks (forming u0 = X diag(beta) v itself
+    at block_v >= 64); ``split`` is ignored. ``num_warps`` / ``num_stages`` tune the sequential kernel (default
+    num_stages 3 where it forms u0, else 2, with fewer when shared memory is short), ``prep_num_warps`` the first
+    prep kernel (1, the default, or 2).
     ``state_dot`` (bf16 inputs only): "bf16" (default, as fla's chunk_kda) or "tf32" operands for the products
     against the state, which itself stays fp32 (registers, initial and final state); fp32 inputs always use
     exact fp32 dots. ``lowp_buffers=True`` (default; bf16 inputs) also stores the kd and Aqk intermediates in
@@ -942,12 +953,25 @@ _PREP64_WARPS = 1
 # whole forward at T = 8K, H = 96 on the H200; 96 or 112 registers, 8 warps, or 64-channel slices were slower
 # (BENCHMARKS.md, eleventh session)
 _WU64 = (32, 64, 4, 128)
+# default pipeline depth of the 64-token state kernel when its chunk loads include Xb and v (U_XB). H100, T = 8K,
+# H = 96, K = V = 128, forward ms, same run: 2.447 at 3 stages, 2.719 at 2, 4 do not fit; main before U_XB
+# 2.561 at its default 2 stages, 2.648 at 3 (BENCHMARKS.md, twenty-seventh session)
+_STATE64_STAGES = 3
+
+
+def _u_in_state(BV: int) -> bool:
+    """Whether the 64-token state kernel forms u0 = Xb v itself (``U_XB``) instead of loading the fp32 u0 buffer
+    the w / u0 kernel would write: at V-blocks of 64 and wider. At block_v = 32 the stored path compiled to wrong
+    states with triton 3.6 (H100, bf16 state products; right under the interpreter), so narrower blocks keep the
+    buffer, as before U_XB."""
+    return BV >= 64
 
 
 def _launch_prep64(n_chunks, args, H, K, V, is_varlen, flags, dot_mode, wu_dot, prep_num_warps, bwd_bufs=None):
     """The two 64-token prep kernels: Aqk and the UT inverse (into an fp32 [chunks, H, 64, 64] scratch), then
-    w, u0, qg, kd and G_last. ``bwd_bufs`` = (X [chunks, H, 64, 64], Akk [B, T, H, 64]), both fp32: also store X
-    and the normalised strict Akk for the backward. Returns the scratch X diag(beta) and the row scales."""
+    w, qg, kd and G_last, and u0 when ``u_buf`` is a buffer (None: the state kernel forms u0, ``U_XB``).
+    ``bwd_bufs`` = (X [chunks, H, 64, 64], Akk [B, T, H, 64]), both fp32: also store X and the normalised strict
+    Akk for the backward. Returns the scratch X diag(beta) and the row scales."""
     use_gate, use_bsig, use_l2 = flags
     (q, k, v, g, beta, cu_all, chunk_indices, A_log, dt_bias,
      w_buf, u_buf, qg_buf, kd_buf, A_buf, gl_buf, scale, lower_bound, T, NT) = args
@@ -964,9 +988,9 @@ def _launch_prep64(n_chunks, args, H, K, V, is_varlen, flags, dot_mode, wu_dot, 
     bk, bv, nw, maxnreg = _WU64
     _kda_chunk64_wu_kernel[(n_chunks, H)](
         q, k, v, g, cu_all, chunk_indices, A_log, dt_bias, x_buf, r_buf,
-        w_buf, u_buf, qg_buf, kd_buf, gl_buf, lower_bound, T, NT,
+        w_buf, q if u_buf is None else u_buf, qg_buf, kd_buf, gl_buf, lower_bound, T, NT,
         H=H, K=K, V=V, BT=_BT64, IS_VARLEN=is_varlen, USE_GATE=use_gate, WU_DOT=wu_dot,
-        BK=min(K, bk), BV=min(V, bv), num_warps=nw, maxnreg=maxnreg,
+        BK=min(K, bk), BV=min(V, bv), STORE_U=u_buf is not None, num_warps=nw, maxnreg=maxnreg,
     )
     return x_buf, r_buf
 
@@ -1000,15 +1024,15 @@ def _chunk64_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, lo
     # Buffer dtypes, measured under the interpreter with bf16 inputs (tf32 emulated), T = 64 / 200, K = V = 32,
     # rel err vs the fp32 reference: all in bf16 gave o 1.5e-2 / S 3.8e-3; kd in fp32 brings S to 7e-4 (the
     # state accumulates kd^T u every chunk), Aqk in fp32 brings o to 8.5e-3 (= the 16-token kernel's error);
-    # w, qg in bf16 changed neither in the digits shown. u0 fp32 (bf16 u0 cost ~6e-3 in S, 16-token split
-    # path). fp32 inputs: everything fp32. G_last fp32 per (chunk, head). lowp_buffers=True: kd and Aqk in
-    # q.dtype too (the "all in bf16" numbers above; fla measured o 5.3e-3 / S 4.0e-3 in the same check).
+    # w, qg in bf16 changed neither in the digits shown. u0 fp32 (bf16 u0 cost ~6e-3 in S, 16-token split path),
+    # and at block_v >= 64 not stored at all: the state kernel forms it in fp32 from the fp32 Xb scratch. fp32 inputs:
+    # everything fp32. G_last fp32 per (chunk, head). lowp_buffers=True: kd and Aqk in q.dtype too (the "all in
+    # bf16" numbers above; fla measured o 5.3e-3 / S 4.0e-3 in the same check).
     lp = q.dtype if lowp_buffers else torch.float32
     w_buf = torch.empty(B, T, H, K, dtype=q.dtype, device=dev)
     qg_buf = torch.empty(B, T, H, K, dtype=q.dtype, device=dev)
     kd_buf = torch.empty(B, T, H, K, dtype=lp, device=dev)
     A_buf = torch.empty(B, T, H, _BT64, dtype=lp, device=dev)
-    u_buf = torch.empty(B, T, H, V, dtype=torch.float32, device=dev)
     gl_buf = torch.empty(max(n_chunks, 1), H, K, dtype=torch.float32, device=dev)
     bf16 = q.dtype == torch.bfloat16
     # products inside the prep (the UT inverse's blocks, X times w's and u0's right-hand sides): exact fp32 for fp32
@@ -1021,22 +1045,27 @@ def _chunk64_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, lo
     else:
         st_dot = 4 if interp else 3
     is_varlen = cu_seqlens is not None
+    # u0: formed by the state kernel (U_XB; q stands in for the buffer) or an fp32 buffer, see _u_in_state.
+    # Without chunks q also stands in for Xb: the state kernel then only carries h0 to ht.
+    u_xb = _u_in_state(BV)
+    u_buf = None if u_xb else torch.empty(B, T, H, V, dtype=torch.float32, device=dev)
+    x_buf = q
     if n_chunks:
-        _launch_prep64(n_chunks, (q, k, v, g, beta, cu_all, chunk_indices, *gate_args,
-                                  w_buf, u_buf, qg_buf, kd_buf, A_buf, gl_buf, scale, lower_bound, T, NT),
-                       H, K, V, is_varlen, flags, dot_mode, wu_dot, prep_num_warps)
+        x_buf, _ = _launch_prep64(n_chunks, (q, k, v, g, beta, cu_all, chunk_indices, *gate_args,
+                                             w_buf, u_buf, qg_buf, kd_buf, A_buf, gl_buf, scale, lower_bound, T, NT),
+                                  H, K, V, is_varlen, flags, dot_mode, wu_dot, prep_num_warps)
 
     def launch(stages):
         _kda_chunk64_state_kernel[(N, H, V // BV)](
-            w_buf, u_buf, qg_buf, kd_buf, A_buf, gl_buf, out,
-            h0 if h0 is not None else q, ht if ht is not None else q, cu_all, chunk_offsets, T, NT, q, q,
+            w_buf, q if u_xb else u_buf, qg_buf, kd_buf, A_buf, gl_buf, out,
+            h0 if h0 is not None else q, ht if ht is not None else q, cu_all, chunk_offsets, T, NT, q, q, x_buf, v,
             H=H, K=K, V=V, BT=_BT64, BV=BV, IS_VARLEN=is_varlen, USE_H0=h0 is not None,
-            STORE_FINAL=ht is not None, STATE_DOT=st_dot,
+            STORE_FINAL=ht is not None, STATE_DOT=st_dot, U_XB=u_xb, U_DOT=wu_dot,
             num_warps=num_warps, num_stages=stages,
         )
 
-    # default: double-buffered chunk loads (~90 KB a stage at K = 128, BV = 32), 1 stage if that does not fit
-    _launch_pipelined(launch, num_stages, st_dot not in (1, 2))
+    # default: pipelined chunk loads (2 stages, 3 with U_XB), fewer if that does not fit
+    _launch_pipelined(launch, num_stages, st_dot not in (1, 2), _STATE64_STAGES if u_xb else 2)
 
 
 # The state kernel compiled with one pipeline stage, 4 warps and bf16 state products gave wrong states on the
@@ -1047,18 +1076,22 @@ _SINGLE_STAGE_BF16 = ("num_stages=1 is refused for the KDA state kernel with bf1
                       "H200 with triton 3.6): use num_stages >= 2, state_dot='tf32', or a smaller block_v")
 
 
-def _launch_pipelined(launch, num_stages, single_stage_ok=True):
-    # num_stages given: use it; default 2 (double-buffered chunk loads), falling back to 1 when that does
-    # not fit in shared memory for the shape rather than failing (unless one stage is unsafe for the launch)
+def _launch_pipelined(launch, num_stages, single_stage_ok=True, default=2):
+    # num_stages given: use it; else ``default`` (2: double-buffered chunk loads), falling back one stage at a
+    # time when that does not fit in shared memory for the shape rather than failing (down to 1 unless one stage
+    # is unsafe for the launch)
     if num_stages is not None:
         launch(num_stages)
         return
-    try:
-        launch(2)
-    except triton.runtime.errors.OutOfResources:
-        if not single_stage_ok:
-            raise ValueError(_SINGLE_STAGE_BF16) from None
-        launch(1)
+    for stages in range(default, 1, -1):
+        try:
+            launch(stages)
+            return
+        except triton.runtime.errors.OutOfResources:
+            pass
+    if not single_stage_ok:
+        raise ValueError(_SINGLE_STAGE_BF16)
+    launch(1)
 
 
 _DENSE_LAYOUTS: dict = {}  # (B, T, chunk, device) -> chunk layout tensors of a batch without cu_seqlens
@@ -1073,7 +1106,8 @@ def _stored_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, low
     Akk and the row scales, and every buffer is returned in a dict with the chunk layout; no output kernel unless
     ``with_output`` (a forward that keeps its buffers for the backward, see ``_ChunkKDAFunction``).
 
-    Buffers as in ``_chunk64_fwd`` (w, qg in q.dtype; kd, Aqk fp32 unless ``lowp_buffers``; u0 fp32), plus
+    Buffers as in ``_chunk64_fwd`` (w, qg in q.dtype; kd, Aqk fp32 unless ``lowp_buffers``; u0 fp32, none at
+    64-token chunks and block_v >= 64, where the state kernel forms it), plus
     h [chunks, H, K, V] in ``h_dtype`` (chunk_kda_fwd's default: bf16 for bf16 inputs, which rounds the state
     every token's qg h reads exactly as the fused path's bf16 state products do; fp32 otherwise) and
     v_new [B, T, H, V] fp32 (u = u0 - w S is a difference of nearly equal terms when keys repeat, and the fused
@@ -1119,7 +1153,9 @@ def _stored_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, low
     qg_buf = torch.empty(B, T, H, K, dtype=q.dtype, device=dev)
     kd_buf = torch.empty(B, T, H, K, dtype=lp, device=dev)
     A_buf = torch.empty(B, T, H, BT, dtype=lp, device=dev)
-    u_buf = torch.empty(B, T, H, V, dtype=torch.float32, device=dev)
+    # u0: formed by the 64-token state kernel (U_XB, see _u_in_state), else an fp32 buffer the prep kernels write
+    u_xb = BT == 64 and _u_in_state(BV)
+    u_buf = None if u_xb else torch.empty(B, T, H, V, dtype=torch.float32, device=dev)
     gl_buf = torch.empty(max(n_chunks, 1), H, K, dtype=torch.float32, device=dev)
     h_buf = torch.empty(max(n_chunks, 1), H, K, V, dtype=h_dtype, device=dev)
     vn_buf = torch.empty(B, T, H, V, dtype=lp, device=dev)
@@ -1151,14 +1187,15 @@ def _stored_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, low
 
     def launch_state(stages):
         _kda_chunk64_state_kernel[(N, H, V // BV)](
-            w_buf, u_buf, qg_buf, kd_buf, A_buf, gl_buf, out,
+            w_buf, q if u_xb else u_buf, qg_buf, kd_buf, A_buf, gl_buf, out,
             h0 if h0 is not None else q, ht if ht is not None else q, cu_all, chunk_offsets, T, NT, h_buf, vn_buf,
+            x_buf if x_buf is not None else q, v,
             H=H, K=K, V=V, BT=BT, BV=BV, IS_VARLEN=is_varlen, USE_H0=h0 is not None,
-            STORE_FINAL=ht is not None, STATE_DOT=st_dot, STORED=True,
+            STORE_FINAL=ht is not None, STATE_DOT=st_dot, STORED=True, U_XB=u_xb, U_DOT=tf32 if bf16 else 0,
             num_warps=num_warps, num_stages=stages,
         )
 
-    _launch_pipelined(launch_state, num_stages, st_dot not in (1, 2))
+    _launch_pipelined(launch_state, num_stages, st_dot not in (1, 2), _STATE64_STAGES if u_xb else 2)
     kept = None
     if for_backward:
         kept = dict(n_chunks=n_chunks, NT=NT, cu=cu_all, chunk_offsets=chunk_offsets, chunk_indices=chunk_indices,
@@ -1235,7 +1272,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
 
     # Whether the forward keeps the buffers its Triton backward needs (w, u, qg, kd, Aqk, X, Akk, h: about 1.9 GB
     # per call at T = 8K, H = 96, K = V = 128 in bf16, held from the forward to the backward) instead of the
-    # backward recomputing them (the forward's prep, w / u0 and state kernels again: forward + backward 14.4 ->
+    # backward recomputing them (the forward's prep, w and state kernels again: forward + backward 14.4 ->
     # 12.0 ms at T = 8K on the H200, fourteenth session). Off by default: it is memory for time. They are saved
     # tensors, so under gradient checkpointing they are dropped and recomputed with the rest of the layer.
     keep_buffers = os.environ.get("K3_KDA_KEEP_BUFFERS", "0") == "1"

@@ -74,6 +74,31 @@ def test_forward_other_head_dims(K, V, chunk_size):
     assert rel_err(o, o_r) <= 1e-4 and rel_err(S, S_r) <= 1e-4
 
 
+@pytest.mark.parametrize("output", ["stored", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk64_u0_in_state_kernel(output, dtype):
+    """V-blocks of 64 and wider: the state kernel forms u0 = X diag(beta) v itself (no fp32 u0 buffer); narrower
+    ones load the buffer the w / u0 kernel writes. Both against the reference, and against each other, with
+    the varlen boundaries at and off the 64-token chunk edges and a non-zero initial state."""
+    from k3_kernels.kda.triton_chunk import _u_in_state
+
+    assert _u_in_state(64) and _u_in_state(128) and not _u_in_state(32)
+    cu = torch.tensor([0, 5, 64, 65, 130], dtype=torch.int32, device=DEVICE)
+    x = make_inputs(B=1, T=130, V=64, dtype=dtype, seed=61, with_h0=True, N=4)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    kw = dict(initial_state=x["h0"], output_final_state=True, cu_seqlens=cu, output=output)
+    o_in, S_in = chunk_kda_fwd(*args, block_v=64, **kw)  # u0 formed in the state kernel
+    o_buf, S_buf = chunk_kda_fwd(*args, block_v=32, **kw)  # u0 through the fp32 buffer
+    f = {n: x[n].float() for n in ("q", "k", "v", "beta")}
+    o_r, S_r = R.chunk_kda(f["q"], f["k"], f["v"], x["g"], f["beta"], initial_state=x["h0"], output_final_state=True,
+                           cu_seqlens=cu)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for o, S in ((o_in, S_in), (o_buf, S_buf)):
+        assert rel_err(o, o_r) <= tol and rel_err(S, S_r) <= tol
+    # the same products on the same operands, only the column blocking differs
+    assert rel_err(o_in, o_buf) <= 1e-5 and rel_err(S_in, S_buf) <= 1e-5
+
+
 def test_extreme_gate_bound():
     """Every step at the -5 bound: the 16-token tile spans exactly -80, the worst case for exp(+-G)."""
     x = make_inputs(T=50, with_h0=True, seed=4)
