@@ -1272,7 +1272,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
 
     # Whether the forward keeps the buffers its Triton backward needs (w, u, qg, kd, Aqk, X, Akk, h: about 1.9 GB
     # per call at T = 8K, H = 96, K = V = 128 in bf16, held from the forward to the backward) instead of the
-    # backward recomputing them (the forward's prep, w and state kernels again: forward + backward 14.4 ->
+    # backward recomputing them (the forward's prep, w / u0 and state kernels again: forward + backward 14.4 ->
     # 12.0 ms at T = 8K on the H200, fourteenth session). Off by default: it is memory for time. They are saved
     # tensors, so under gradient checkpointing they are dropped and recomputed with the rest of the layer.
     keep_buffers = os.environ.get("K3_KDA_KEEP_BUFFERS", "0") == "1"
