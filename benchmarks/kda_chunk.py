@@ -283,8 +283,10 @@ def main():
     ap.add_argument("--chunk-size", type=int, nargs="+", default=[16, 64], choices=[16, 64],
                     help="our kernels to time (16 = 16-token split path, 64 = 64-token path)")
     ap.add_argument("--fused16", action="store_true", help="also time the fused (split=False) 16-token kernel")
-    ap.add_argument("--block-v", type=int, default=None, help="V tile of our state kernels (default 64 stored, 32 fused)")
-    ap.add_argument("--num-warps", type=int, default=None, help="num_warps of our state loop (default 4)")
+    ap.add_argument("--block-v", type=int, default=None,
+                    help="V tile of our state kernels (default 128 stored at chunk 64, 64 at chunk 16, 32 fused)")
+    ap.add_argument("--num-warps", type=int, default=None,
+                    help="num_warps of our state loop (default 8 at block_v 128, else 4)")
     ap.add_argument("--num-stages", type=int, default=None, help="num_stages of the chunk-64 state loop")
     ap.add_argument("--prep-num-warps", type=int, default=None, help="num_warps of the chunk-64 prep (inverse) kernel")
     ap.add_argument("--state-dot", default=None, choices=["tf32", "bf16"], help="chunk-64 state products")

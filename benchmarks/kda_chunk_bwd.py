@@ -12,6 +12,7 @@ Timing: `triton.testing.do_bench` median of forward + backward (loss <o, do> + <
 
     pip install -e . && python benchmarks/kda_chunk_bwd.py       # fla's first call autotunes for minutes
     python benchmarks/kda_chunk_bwd.py --no-fla
+    python benchmarks/kda_chunk_bwd.py --ts 8192 --chunk64-only --no-fla-check   # the default backward vs fla only
     TRITON_INTERPRET=1 python benchmarks/kda_chunk_bwd.py --check-only --device cpu --no-fla   # CPU smoke
 """
 
@@ -150,6 +151,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="first time block_v x num_warps of our backward, T=8K")
     ap.add_argument("--no-fla-check", action="store_true",
                     help="leave fla out of the small-shape check (its H = 4 shapes autotune separately)")
+    ap.add_argument("--chunk64-only", action="store_true",
+                    help="time only the 64-token backward (default and keep_buffers), not the 16-token ones")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel CUDA time of one forward + backward of ours at T = 8K (torch.profiler)")
     args = ap.parse_args()
@@ -214,6 +217,9 @@ def main():
         # then the default again with the forward keeping its buffers for the backward (opt-in: memory for time)
         for opts, keep in ((dict(chunk_size=16, state_dtype=torch.float32), False), (dict(chunk_size=16), False),
                            ({}, False), ({}, True)):
+            if args.chunk64_only and opts:
+                times.append(float("nan"))
+                continue
             TC._ChunkKDAFunction.bwd_options, TC._ChunkKDAFunction.keep_buffers = opts, keep
             try:
                 times.append(bench(lambda: fb(ours)))

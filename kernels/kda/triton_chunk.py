@@ -701,13 +701,25 @@ def _kda_chunk64_state_kernel(
     bos, L, c0 = _seq_of(cu_seqlens, chunk_offsets, i_n, T, NT, IS_VARLEN)
     o_t = tl.arange(0, BT)
     causal = o_t[:, None] >= o_t[None, :]
-    o_k, o_v, p_state, S = _state_tile(h0, i_n, i_h, i_v, USE_H0, H, K, V, BV)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    # The loop carries S^T [BV, K] and forms every product transposed (u^T = u0^T - S^T w^T,
+    # S^T <- S^T e^{G_last} + u^T kd, o^T = S^T qg^T + u^T Aqk^T): the left operands (S^T, u^T) come from registers
+    # and the right ones are the pipelined tiles themselves (transposed views), so no dependent operand makes a
+    # round trip through shared memory and the kernel holds little more than its pipeline buffers there (sm_90a,
+    # 2 stages: 106 KB at BV = 64, two programs an SM, against 128 KB carrying S, which needs S and u as right
+    # operands in shared memory; 116 KB at BV = 128 with 8 warps, the default). Same products, same results.
+    p_state_t = ((i_n * H + i_h) * K + o_k[None, :]).to(tl.int64) * V + o_v[:, None]  # [BV, K] of [N, H, K, V]
+    if USE_H0:
+        St = tl.load(h0 + p_state_t).to(tl.float32)
+    else:
+        St = tl.zeros([BV, K], dtype=tl.float32)
     for i_t in range(0, tl.cdiv(L, BT)):
         pos = i_t * BT + o_t
         m_t = pos < L
         rows = bos + pos
         p_k = (rows[:, None] * H + i_h) * K + o_k[None, :]
-        p_v = (rows[:, None] * H + i_h) * V + o_v[None, :]
+        p_vt = (rows[None, :] * H + i_h) * V + o_v[:, None]  # [BV, BT]: the chunk's v-shaped tiles, transposed
         m2 = m_t[:, None]
         b_w = tl.load(w_buf + p_k, mask=m2, other=0.0)
         b_kd = tl.load(kd_buf + p_k, mask=m2, other=0.0)
@@ -715,26 +727,26 @@ def _kda_chunk64_state_kernel(
             # blocks above the 16-row diagonal blocks of Xb are zero and were never written
             b_xb = tl.load(x_buf + ((c0 + i_t) * H + i_h) * (BT * BT) + o_t[:, None] * BT + o_t[None, :],
                            mask=(o_t[:, None] // 16) >= (o_t[None, :] // 16), other=0.0)
-            b_u = _mm64(b_xb, tl.load(v + p_v, mask=m2, other=0.0), U_DOT)  # u0 [BT, BV]
+            b_ut = _mm64(tl.load(v + p_vt, mask=m_t[None, :], other=0.0), tl.trans(b_xb), U_DOT)  # u0^T [BV, BT]
         else:
-            b_u = tl.load(u_buf + p_v, mask=m2, other=0.0)
+            b_ut = tl.load(u_buf + p_vt, mask=m_t[None, :], other=0.0)
         b_gl = tl.load(gl_buf + ((c0 + i_t) * H + i_h) * K + o_k)
         if STORED:
             # state entering chunk c0 + i_t, [K, BV] slice of h_buf[c0 + i_t, i_h]
-            p_h = (((c0 + i_t) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
-            tl.store(h_buf + p_h, S.to(h_buf.dtype.element_ty))
-            b_u = b_u - _mm64(b_w, S, STATE_DOT)  # [BT, BV]
-            tl.store(vn_buf + p_v, b_u.to(vn_buf.dtype.element_ty), mask=m2)
+            p_h = (((c0 + i_t) * H + i_h) * K + o_k[None, :]) * V + o_v[:, None]
+            tl.store(h_buf + p_h, St.to(h_buf.dtype.element_ty))
+            b_ut = b_ut - _mm64(St, tl.trans(b_w), STATE_DOT)  # [BV, BT]
+            tl.store(vn_buf + p_vt, b_ut.to(vn_buf.dtype.element_ty), mask=m_t[None, :])
         else:
             b_qg = tl.load(qg_buf + p_k, mask=m2, other=0.0)
             b_A = tl.load(A_buf + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=m2, other=0.0)
             b_A = tl.where(causal, b_A, 0.0)
-            b_u = b_u - _mm64(b_w, S, STATE_DOT)  # [BT, BV]
-            b_o = _mm64(b_qg, S, STATE_DOT) + _mm64(b_A, b_u, STATE_DOT)
-            tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m2)
-        S = S * _exp(b_gl)[:, None] + _mm64(tl.trans(b_kd), b_u, STATE_DOT)
+            b_ut = b_ut - _mm64(St, tl.trans(b_w), STATE_DOT)  # [BV, BT]
+            b_ot = _mm64(St, tl.trans(b_qg), STATE_DOT) + _mm64(b_ut, tl.trans(b_A), STATE_DOT)
+            tl.store(o + p_vt, b_ot.to(o.dtype.element_ty), mask=m_t[None, :])
+        St = St * _exp(b_gl)[None, :] + _mm64(b_ut, b_kd, STATE_DOT)
     if STORE_FINAL:
-        tl.store(ht + p_state, S)
+        tl.store(ht + p_state_t, St)
 
 
 @triton.jit
@@ -793,7 +805,7 @@ def check_gate_args(A_log, dt_bias, lower_bound, H, K):
 def chunk_kda_fwd(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=-5.0,
-    use_beta_sigmoid_in_kernel=False, out=None, block_v=None, num_warps=4, split=True, chunk_size=64,
+    use_beta_sigmoid_in_kernel=False, out=None, block_v=None, num_warps=None, split=True, chunk_size=64,
     num_stages=None, prep_num_warps=None, state_dot="bf16", lowp_buffers=True, output="stored", h_dtype=None,
     out_block_v=None, out_num_warps=None, out_num_stages=None, keep_for_backward=False,
 ):
@@ -811,16 +823,16 @@ def chunk_kda_fwd(
     kernel forms u0 from the prep's X diag(beta) scratch and v).
     ``output="fused"``: the sequential kernel computes o itself and no h is kept (for the longest single-call
     prefills when memory is short; 15 % slower at T = 8K).
-    Tuning: ``block_v`` / ``num_warps`` / ``num_stages`` for the state kernel (block_v default min(V, 64)
-    stored, min(V, 32) fused), ``prep_num_warps`` for the first prep kernel, ``out_block_v`` /
-    ``out_num_warps`` / ``out_num_stages`` for the output kernel (defaults min(V, 128) / 4 / 2).
+    Tuning: ``block_v`` / ``num_warps`` / ``num_stages`` for the state kernel (block_v / num_warps default
+    min(V, 128) / 8 (4 below 128) stored at chunk 64, min(V, 64) / 4 stored at chunk 16, min(V, 32) / 4 fused),
+    ``prep_num_warps`` for the first prep kernel, ``out_block_v`` / ``out_num_warps`` / ``out_num_stages`` for the
+    output kernel (defaults min(V, 128) / 4 / 2).
 
     ``chunk_size=64`` (the default): the 64-token path, parallel prep over (chunk, head) in two kernels
     (``_kda_chunk64_prep_kernel``: Aqk and the UT inverse; ``_kda_chunk64_wu_kernel``: w, qg, kd, and u0 at
     block_v < 64), then ``_kda_chunk64_state_kernel`` sequential over chunks (forming u0 = X diag(beta) v itself
     at block_v >= 64); ``split`` is ignored. ``num_warps`` / ``num_stages`` tune the sequential kernel (default
-    num_stages 3 where it forms u0, else 2, with fewer when shared memory is short), ``prep_num_warps`` the first
-    prep kernel (1, the default, or 2).
+    num_stages 2, 1 when shared memory is short), ``prep_num_warps`` the first prep kernel (1, the default, or 2).
     ``state_dot`` (bf16 inputs only): "bf16" (default, as fla's chunk_kda) or "tf32" operands for the products
     against the state, which itself stays fp32 (registers, initial and final state); fp32 inputs always use
     exact fp32 dots. ``lowp_buffers=True`` (default; bf16 inputs) also stores the kd and Aqk intermediates in
@@ -877,7 +889,13 @@ def chunk_kda_fwd(
         raise ValueError(f"out must be a contiguous [B, T, H, V] = {[B, T, H, V]} tensor of dtype {v.dtype}")
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
     h0 = initial_state.float().contiguous() if initial_state is not None else None
-    BV = block_v or min(V, 64 if output == "stored" else 32)
+    tuning = (block_v, num_warps, num_stages, prep_num_warps, state_dot, lowp_buffers, out_block_v, out_num_warps,
+              out_num_stages)
+    if output == "stored" and chunk_size == 64:
+        BV, warps = _state64_launch(V)
+    else:
+        BV, warps = min(V, 64 if output == "stored" else 32), 4
+    BV, num_warps = block_v or BV, num_warps or warps
     if V % BV or not _is_pow2(BV):
         raise ValueError(f"block_v must be a power of two >= 16 dividing V = {V}, got {BV}")
     dummy = q  # placeholder pointer for unused arguments
@@ -887,9 +905,7 @@ def chunk_kda_fwd(
     flags = (bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel), bool(use_qk_l2norm_in_kernel))
     h_dtype = h_dtype or (torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32)
     if keep_for_backward:
-        tuning = (block_v, num_warps, num_stages, prep_num_warps, state_dot, lowp_buffers, out_block_v,
-                  out_num_warps, out_num_stages)
-        if chunk_size != 64 or output != "stored" or tuning != (None, 4, None, None, "bf16", True, None, None, None):
+        if chunk_size != 64 or output != "stored" or tuning != (None, None, None, None, "bf16", True, None, None, None):
             raise ValueError("keep_for_backward needs the default 64-token launches (chunk_size=64, output='stored', "
                              "no tuning arguments): the backward's buffers come from those kernels")
         kept = _recompute_for_backward(q, k, v, g, beta, h0, cu_seqlens, gate_args, float(scale), float(lower_bound),
@@ -953,10 +969,16 @@ _PREP64_WARPS = 1
 # whole forward at T = 8K, H = 96 on the H200; 96 or 112 registers, 8 warps, or 64-channel slices were slower
 # (BENCHMARKS.md, eleventh session)
 _WU64 = (32, 64, 4, 128)
-# default pipeline depth of the 64-token state kernel when its chunk loads include Xb and v (U_XB). H100, T = 8K,
-# H = 96, K = V = 128, forward ms, same run: 2.447 at 3 stages, 2.719 at 2, 4 do not fit; main before U_XB
-# 2.561 at its default 2 stages, 2.648 at 3 (BENCHMARKS.md, twenty-seventh session)
-_STATE64_STAGES = 3
+
+
+def _state64_launch(V: int):
+    """Default (block_v, num_warps) of the 64-token state kernel with ``output="stored"``: the whole V = 128 in one
+    8-warp program (two warp groups sharing each chunk's tiles) rather than two 4-warp programs. Its loads and
+    shared memory then serve both halves of V once, and the 96 programs of B = 1, H = 96 fit one to an SM.
+    H100, T = 8K, H = 96, K = V = 128, same run, forward ms: 2.297 against 2.334 at block_v 64 / 4 warps
+    (2.428 before the kernel carried S^T); at T = 32K 9.060 against 9.243 (BENCHMARKS.md, twenty-eighth session)."""
+    BV = min(V, 128)
+    return BV, 8 if BV >= 128 else 4
 
 
 def _u_in_state(BV: int) -> bool:
@@ -1065,7 +1087,7 @@ def _chunk64_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, lo
         )
 
     # default: pipelined chunk loads (2 stages, 3 with U_XB), fewer if that does not fit
-    _launch_pipelined(launch, num_stages, st_dot not in (1, 2), _STATE64_STAGES if u_xb else 2)
+    _launch_pipelined(launch, num_stages, st_dot not in (1, 2))
 
 
 # The state kernel compiled with one pipeline stage, 4 warps and bf16 state products gave wrong states on the
@@ -1076,19 +1098,17 @@ _SINGLE_STAGE_BF16 = ("num_stages=1 is refused for the KDA state kernel with bf1
                       "H200 with triton 3.6): use num_stages >= 2, state_dot='tf32', or a smaller block_v")
 
 
-def _launch_pipelined(launch, num_stages, single_stage_ok=True, default=2):
-    # num_stages given: use it; else ``default`` (2: double-buffered chunk loads), falling back one stage at a
-    # time when that does not fit in shared memory for the shape rather than failing (down to 1 unless one stage
-    # is unsafe for the launch)
+def _launch_pipelined(launch, num_stages, single_stage_ok=True):
+    # num_stages given: use it; else 2 (double-buffered chunk loads), or 1 when that does not fit in shared memory
+    # for the shape rather than failing (unless one stage is unsafe for the launch)
     if num_stages is not None:
         launch(num_stages)
         return
-    for stages in range(default, 1, -1):
-        try:
-            launch(stages)
-            return
-        except triton.runtime.errors.OutOfResources:
-            pass
+    try:
+        launch(2)
+        return
+    except triton.runtime.errors.OutOfResources:
+        pass
     if not single_stage_ok:
         raise ValueError(_SINGLE_STAGE_BF16)
     launch(1)
@@ -1195,7 +1215,7 @@ def _stored_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, low
             num_warps=num_warps, num_stages=stages,
         )
 
-    _launch_pipelined(launch_state, num_stages, st_dot not in (1, 2), _STATE64_STAGES if u_xb else 2)
+    _launch_pipelined(launch_state, num_stages, st_dot not in (1, 2))
     kept = None
     if for_backward:
         kept = dict(n_chunks=n_chunks, NT=NT, cu=cu_all, chunk_offsets=chunk_offsets, chunk_indices=chunk_indices,
@@ -1226,8 +1246,9 @@ def _recompute_for_backward(q, k, v, g, beta, h0, cu_seqlens, gate_ptrs, scale, 
     forward itself when it keeps its buffers (then with ``out`` / ``ht`` to fill, the same o as the plain forward).
     ``h0`` fp32 or None; ``gate_ptrs`` (A_log, dt_bias) or placeholders."""
     V = dims[4]
+    BV, num_warps = _state64_launch(V)
     return _stored_fwd(q, k, v, g, beta, q if out is None else out, h0, ht, cu_seqlens, gate_ptrs, scale,
-                       lower_bound, dims, 64, min(V, 64), min(V, 128), dot_mode, 4, None, None, 4, None, "bf16",
+                       lower_bound, dims, 64, BV, min(V, 128), dot_mode, num_warps, None, None, 4, None, "bf16",
                        True, state_dtype, flags, for_backward=True, with_output=out is not None)
 
 

@@ -110,7 +110,7 @@ import triton.language as tl
 
 from . import reference as _ref
 from .triton_chunk import (_beta_of, _bias_cols, _chunk_of, _exp, _ks_sub, _mm64, _recompute_for_backward, _rows_of,
-                           _seq_of, _sigmoid, _state_tile, check_gate_args)
+                           _seq_of, _sigmoid, _state64_launch, _state_tile, check_gate_args)
 
 __all__ = ["chunk_kda_bwd"]
 
@@ -413,31 +413,39 @@ def _bwd64_dstate_kernel(
     i_v = tl.program_id(2)
     bos, L, c0 = _seq_of(cu_seqlens, chunk_offsets, i_n, T, NT, IS_VARLEN)
     o_t = tl.arange(0, BT)
-    o_k, o_v, p_state, dS = _state_tile(dht, i_n, i_h, i_v, USE_DHT, H, K, V, BV)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    # As the forward's state kernel, the loop carries the transpose, dS^T [BV, K], and forms every product
+    # transposed: du^T = do^T Aqk + dS^T kd^T, dS^T <- dS^T e^{G_last} + do^T qg - du^T w. The left operands
+    # (dS^T, du^T, do^T) are in registers and the right ones are the chunk's tiles as loaded (kd^T a transposed
+    # view), so nothing on the dependent chain goes through shared memory.
+    p_state_t = ((i_n * H + i_h) * K + o_k[None, :]).to(tl.int64) * V + o_v[:, None]  # [BV, K] of [N, H, K, V]
+    if USE_DHT:
+        dSt = tl.load(dht + p_state_t).to(tl.float32)
+    else:
+        dSt = tl.zeros([BV, K], dtype=tl.float32)
     n_t = tl.cdiv(L, BT)
     for i_r in range(0, n_t):
         i_c = n_t - 1 - i_r
         pos = i_c * BT + o_t
         m2 = (pos < L)[:, None]
         rows = bos + pos
-        p_h = (((c0 + i_c) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
-        tl.store(dh + p_h, dS.to(dh.dtype.element_ty))
-        # the transposed operands are loaded as transposed tiles (no register transposes on the chain)
-        mT = (pos < L)[None, :]
-        b_AT = tl.load(Aqk_buf + (rows[None, :] * H + i_h) * BT + o_t[:, None], mask=mT, other=0.0)  # [j, i]
-        b_AT = tl.where(o_t[None, :] >= o_t[:, None], b_AT, 0.0)  # causal: i >= j
-        p_kT = (rows[None, :] * H + i_h) * K + o_k[:, None]
-        b_wT = tl.load(w_buf + p_kT, mask=mT, other=0.0)  # [K, BT]
-        b_qgT = tl.load(qg_buf + p_kT, mask=mT, other=0.0)
-        b_kd = tl.load(kd_buf + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m2, other=0.0)
+        p_h = (((c0 + i_c) * H + i_h) * K + o_k[None, :]) * V + o_v[:, None]
+        tl.store(dh + p_h, dSt.to(dh.dtype.element_ty))
+        b_A = tl.load(Aqk_buf + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=m2, other=0.0)  # [i, j]
+        b_A = tl.where(o_t[:, None] >= o_t[None, :], b_A, 0.0)  # causal
+        p_k = (rows[:, None] * H + i_h) * K + o_k[None, :]
+        b_w = tl.load(w_buf + p_k, mask=m2, other=0.0)  # [BT, K]
+        b_qg = tl.load(qg_buf + p_k, mask=m2, other=0.0)
+        b_kd = tl.load(kd_buf + p_k, mask=m2, other=0.0)
         e_gl = _exp(tl.load(gl_buf + ((c0 + i_c) * H + i_h) * K + o_k))
-        p_v = (rows[:, None] * H + i_h) * V + o_v[None, :]
-        b_do = tl.load(do + p_v, mask=m2, other=0.0)
-        du = _mm64(b_AT, b_do, DOT) + _mm64(b_kd, dS, DOT)  # [BT, BV]
-        tl.store(du_buf + p_v, du, mask=m2)
-        dS = dS * e_gl[:, None] + _mm64(b_qgT, b_do, DOT) - _mm64(b_wT, du, DOT)
+        p_vt = (rows[None, :] * H + i_h) * V + o_v[:, None]  # [BV, BT]
+        b_dot = tl.load(do + p_vt, mask=(pos < L)[None, :], other=0.0)  # do^T
+        dut = _mm64(b_dot, b_A, DOT) + _mm64(dSt, tl.trans(b_kd), DOT)  # du^T [BV, BT]
+        tl.store(du_buf + p_vt, dut, mask=(pos < L)[None, :])
+        dSt = dSt * e_gl[None, :] + _mm64(b_dot, b_qg, DOT) - _mm64(dut, b_w, DOT)
     if STORE_DH0:
-        tl.store(dh0 + p_state, dS)
+        tl.store(dh0 + p_state_t, dSt)
 
 
 @triton.jit
@@ -703,8 +711,8 @@ def chunk_kda_bwd(
     the recomputed per-chunk states and state grads (fp32 or bf16; default bf16 for bf16 inputs, else fp32).
     ``chunk_size``: 64 (default, the fastest measured: 14.6 against 17.0 ms forward + backward at T = 8K, H = 96
     on the H200) or 16 (the 16-token path of the module docstring). With 64, ``block_v`` / ``num_warps`` (default
-    32 / 4) apply to its sequential kernel and the parallel kernels take ``_INTER64`` / ``_INTRA64`` /
-    ``_UT64_WARPS``. With 16: ``block_v`` / ``num_warps``: V tile and
+    min(V, 128) / 8 (4 below 128) for bf16 inputs, 32 / 4 for fp32) apply to its sequential kernel and the parallel
+    kernels take ``_INTER64`` / ``_INTRA64`` / ``_UT64_WARPS``. With 16: ``block_v`` / ``num_warps``: V tile and
     warps of the two sequential kernels and the prep kernel (default 32 / 2); ``chunk_block_v`` /
     ``chunk_num_warps``: those of the per-chunk gradient kernel (default 32 / 4), ``chunk_num_stages`` its
     V-loop pipelining depth (default 1; None: Triton's default). The 16-token defaults are the fastest of a
@@ -771,7 +779,7 @@ def chunk_kda_bwd(
             (A_log, dt_bias, float(lower_bound)) if gate else None,
             (gate, bool(use_beta_sigmoid_in_kernel), bool(use_qk_l2norm_in_kernel)),
             state_dtype or (torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32),
-            block_v, num_warps or 4, (dq, dk, dv, dg, dbeta, dh0), kept,
+            block_v, num_warps, (dq, dk, dv, dg, dbeta, dh0), kept,
         )
     # per-chunk states stored in bf16 for bf16 inputs, as the forward's h (the carried states stay fp32)
     state_dtype = state_dtype or (torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32)
@@ -870,7 +878,10 @@ def _chunk_kda_bwd64(q, k, v, g, beta, do, scale, h0, dht, cu_seqlens, dims, gat
                                                                lower_bound, dims, dot_mode, state_dtype, flags)
     n_chunks, NT, is_varlen = fb["n_chunks"], max(fb["NT"], 1), cu_seqlens is not None
     st_dot, x_dot = fb["st_dot"], fb["wu_dot"]
-    BV = block_v or min(V, 32)
+    # the state-gradient carry: as the forward's state kernel (one 8-warp program for V = 128) for bf16 products;
+    # fp32 inputs keep 32-wide V-blocks, whose fp32 tiles fit two pipeline stages
+    BV, warps = _state64_launch(V) if st_dot != 0 else (min(V, 32), 4)
+    BV, num_warps = block_v or BV, num_warps or warps
     dh = torch.empty_like(fb["h"])
     bk, bv, nw, x_bf16 = _INTER64
     # du is read only by the inter kernel, whose products with it (dw, Xb's gradient, dv) take bf16 operands for
@@ -881,8 +892,7 @@ def _chunk_kda_bwd64(q, k, v, g, beta, do, scale, h0, dht, cu_seqlens, dims, gat
         do, dht_c if dht_c is not None else q, dh, dh0 if dh0 is not None else q, du, fb["cu"], fb["chunk_offsets"],
         fb["w"], fb["Aqk"], fb["kd"], fb["qg"], fb["gl"], T, NT,
         H=H, K=K, V=V, BT=64, BV=BV, IS_VARLEN=is_varlen, USE_DHT=dht_c is not None, STORE_DH0=dh0 is not None,
-        # fp32 inputs (exact fp32 products): two pipeline stages, three need 256 KB of shared memory at K = V = 128
-        DOT=st_dot, num_warps=num_warps, num_stages=2 if st_dot == 0 else 3,
+        DOT=st_dot, num_warps=num_warps, num_stages=2,
     )
     if not n_chunks:
         zero = (torch.zeros(H, **f32), torch.zeros(H * K, **f32)) if use_gate else (None, None)

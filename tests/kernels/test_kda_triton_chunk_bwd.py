@@ -229,9 +229,20 @@ def test_core_bad_inputs_raise():
 
 
 def test_core_k3_head_dims():
-    """K = V = 128 as in K3 (default block_v = 32: four V-blocks), one chunk and a partial one."""
+    """K = V = 128 as in K3 (fp32: default block_v = 32 in the state-gradient carry, four V-blocks), one chunk and a
+    partial one."""
     x = make_core(B=1, T=20, H=1, K=128, V=128, seed=29)
     assert_close(ours(x), ref_grads(x), 1e-4)
+
+
+def test_core_k3_head_dims_bf16():
+    """bf16 at K = V = 128: the default launches of the forward recompute's state kernel and of the state-gradient
+    carry, one 128-wide V-block each, both carrying the transposed state; a full 64-chunk, a partial one and a
+    non-zero initial state."""
+    x = make_core(B=1, T=100, H=1, K=128, V=128, seed=30)
+    xb = {n: None if t is None else (t.bfloat16().float() if n in ("q", "k", "v", "do", "beta") else t)
+          for n, t in x.items()}
+    assert_close(ours(x, dtype=torch.bfloat16), ref_grads(xb), 2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
