@@ -1086,7 +1086,7 @@ def _chunk64_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, lo
             num_warps=num_warps, num_stages=stages,
         )
 
-    # default: pipelined chunk loads (2 stages, 3 with U_XB), fewer if that does not fit
+    # default: pipelined chunk loads (2 stages), 1 if that does not fit
     _launch_pipelined(launch, num_stages, st_dot not in (1, 2))
 
 
