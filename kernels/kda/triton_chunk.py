@@ -448,16 +448,20 @@ def _seq_of(cu_seqlens, chunk_offsets, i_n, T, NT, IS_VARLEN: tl.constexpr):
 
 @triton.jit
 def _state_tile(ptr, i_n, i_h, i_v, LOAD: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                BV: tl.constexpr):
+                BV: tl.constexpr, TRANS: tl.constexpr = False):
     """The [K, BV] tile (sequence i_n, head i_h, V-block i_v) of an [N, H, K, V] state tensor that the sequential
-    kernels carry: its channel offsets, its element offsets, and its start value, fp32, loaded from ptr (LOAD) or 0."""
+    kernels carry, or with TRANS its transpose [BV, K]: its channel offsets, its element offsets, and its start
+    value, fp32, loaded from ptr (LOAD) or 0."""
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
-    p = ((i_n * H + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
+    if TRANS:
+        p = ((i_n * H + i_h) * K + o_k[None, :]).to(tl.int64) * V + o_v[:, None]
+    else:
+        p = ((i_n * H + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
     if LOAD:
         S = tl.load(ptr + p).to(tl.float32)
     else:
-        S = tl.zeros([K, BV], dtype=tl.float32)
+        S = tl.zeros(p.shape, dtype=tl.float32)
     return o_k, o_v, p, S
 
 
@@ -701,19 +705,13 @@ def _kda_chunk64_state_kernel(
     bos, L, c0 = _seq_of(cu_seqlens, chunk_offsets, i_n, T, NT, IS_VARLEN)
     o_t = tl.arange(0, BT)
     causal = o_t[:, None] >= o_t[None, :]
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
     # The loop carries S^T [BV, K] and forms every product transposed (u^T = u0^T - S^T w^T,
     # S^T <- S^T e^{G_last} + u^T kd, o^T = S^T qg^T + u^T Aqk^T): the left operands (S^T, u^T) come from registers
     # and the right ones are the pipelined tiles themselves (transposed views), so no dependent operand makes a
     # round trip through shared memory and the kernel holds little more than its pipeline buffers there (sm_90a,
     # 2 stages: 106 KB at BV = 64, two programs an SM, against 128 KB carrying S, which needs S and u as right
     # operands in shared memory; 116 KB at BV = 128 with 8 warps, the default). Same products, same results.
-    p_state_t = ((i_n * H + i_h) * K + o_k[None, :]).to(tl.int64) * V + o_v[:, None]  # [BV, K] of [N, H, K, V]
-    if USE_H0:
-        St = tl.load(h0 + p_state_t).to(tl.float32)
-    else:
-        St = tl.zeros([BV, K], dtype=tl.float32)
+    o_k, o_v, p_state_t, St = _state_tile(h0, i_n, i_h, i_v, USE_H0, H, K, V, BV, TRANS=True)
     for i_t in range(0, tl.cdiv(L, BT)):
         pos = i_t * BT + o_t
         m_t = pos < L

@@ -413,17 +413,11 @@ def _bwd64_dstate_kernel(
     i_v = tl.program_id(2)
     bos, L, c0 = _seq_of(cu_seqlens, chunk_offsets, i_n, T, NT, IS_VARLEN)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
     # As the forward's state kernel, the loop carries the transpose, dS^T [BV, K], and forms every product
     # transposed: du^T = do^T Aqk + dS^T kd^T, dS^T <- dS^T e^{G_last} + do^T qg - du^T w. The left operands
     # (dS^T, du^T, do^T) are in registers and the right ones are the chunk's tiles as loaded (kd^T a transposed
     # view), so nothing on the dependent chain goes through shared memory.
-    p_state_t = ((i_n * H + i_h) * K + o_k[None, :]).to(tl.int64) * V + o_v[:, None]  # [BV, K] of [N, H, K, V]
-    if USE_DHT:
-        dSt = tl.load(dht + p_state_t).to(tl.float32)
-    else:
-        dSt = tl.zeros([BV, K], dtype=tl.float32)
+    o_k, o_v, p_state_t, dSt = _state_tile(dht, i_n, i_h, i_v, USE_DHT, H, K, V, BV, TRANS=True)
     n_t = tl.cdiv(L, BT)
     for i_r in range(0, n_t):
         i_c = n_t - 1 - i_r
