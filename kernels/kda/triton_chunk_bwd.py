@@ -423,6 +423,7 @@ def _bwd64_dstate_kernel(
         i_c = n_t - 1 - i_r
         pos = i_c * BT + o_t
         m2 = (pos < L)[:, None]
+        mT = (pos < L)[None, :]
         rows = bos + pos
         p_h = (((c0 + i_c) * H + i_h) * K + o_k[None, :]) * V + o_v[:, None]
         tl.store(dh + p_h, dSt.to(dh.dtype.element_ty))
@@ -434,9 +435,9 @@ def _bwd64_dstate_kernel(
         b_kd = tl.load(kd_buf + p_k, mask=m2, other=0.0)
         e_gl = _exp(tl.load(gl_buf + ((c0 + i_c) * H + i_h) * K + o_k))
         p_vt = (rows[None, :] * H + i_h) * V + o_v[:, None]  # [BV, BT]
-        b_dot = tl.load(do + p_vt, mask=(pos < L)[None, :], other=0.0)  # do^T
+        b_dot = tl.load(do + p_vt, mask=mT, other=0.0)  # do^T
         dut = _mm64(b_dot, b_A, DOT) + _mm64(dSt, tl.trans(b_kd), DOT)  # du^T [BV, BT]
-        tl.store(du_buf + p_vt, dut, mask=(pos < L)[None, :])
+        tl.store(du_buf + p_vt, dut, mask=mT)
         dSt = dSt * e_gl[None, :] + _mm64(b_dot, b_qg, DOT) - _mm64(dut, b_w, DOT)
     if STORE_DH0:
         tl.store(dh0 + p_state_t, dSt)
