@@ -36,24 +36,11 @@ import time
 
 import torch
 import triton
+from ceilings import copy_tbs
 
 from k3_kernels.attnres.reference import attn_res
 from k3_kernels.attnres import triton_attnres
 from k3_kernels.attnres.triton_attnres import attn_res_triton
-
-PEAK_TBS = 4.27  # the H200's copy bandwidth (read + write); on a GPU the run measures its own, see copy_tbs
-
-
-def copy_tbs(device="cuda") -> float:
-    """The ceiling the tables divide by: this GPU's device-to-device copy of 1 GiB (bytes read + written), measured
-    in the same run (4.27 TB/s on the H200, 3.00 on the H100); the nominal H200 figure for the CPU smoke run."""
-    if device != "cuda":
-        return PEAK_TBS
-    x = torch.empty(1 << 30, device=device, dtype=torch.uint8)
-    y = torch.empty_like(x)
-    ms = triton.testing.do_bench(lambda: y.copy_(x))
-    return 2 * x.numel() / ms / 1e9
-
 
 def sweep_warps(T, d, N=9):
     """Forward and forward + backward of the stacked "row" kernel at each num_warps."""

@@ -589,7 +589,9 @@ def w4a16_bench(E: int, tokens: int, rounds: int, skip: str = "") -> int:
     with `tokens` tokens each (padded to 8 or 16), against bf16 `torch._grouped_mm` on the same experts."""
     from k3_kernels.mxfp4.reference import dequantize_mxfp4  # the package's reference (scripts/device_env.sh)
 
-    ceiling = 4.27e12 if "H200" in torch.cuda.get_device_name() else 3.0e12  # measured copy rates (performance.md)
+    from ceilings import copy_tbs
+
+    ceiling = copy_tbs() * 1e12  # the copy rate measured in this run
     print(f"\nW4A16 (MXFP4) grouped decode, {E} experts x {tokens} tokens, {torch.cuda.get_device_name()}; "
           f"% of a {ceiling / 1e12:.2f} TB/s copy rate\n")
     print("| shape (R x K) | path | rel err | ms (best of rounds) | spread | weight GB/s | % of copy rate | vs grouped_mm |")

@@ -6,7 +6,8 @@ with --long) and a FlashKDA-style varlen batch (8 sequences of mixed lengths sum
 in-kernel gate (`lower_bound * sigmoid(exp(A_log) * (z + dt_bias))`, lower_bound = -5), in-kernel beta sigmoid
 and q/k L2 norm. First a correctness check on small shapes against the fp32 torch reference (and fla if
 present); then the timing table (`triton.testing.do_bench` median, ms), ours vs fla, and the percentage of the
-bandwidth ceiling (0.23 ms at T = 8K, linear in T: notes/performance.md); below it one correctness line per
+bandwidth ceiling (about 1.28 KB of unavoidable traffic per token-head, notes/performance.md, at the copy bandwidth
+measured in the same run: 0.24 ms at T = 8K on the H200, 0.34 on the H100); below it one correctness line per
 timed case (rel err = max|a - b| / max|b| of o and the final state against fla at the full size).
 
     pip install -e . && python benchmarks/kda_chunk.py --sweep     # with fla (its first call per shape
@@ -28,6 +29,7 @@ import math
 
 import torch
 import triton
+from ceilings import copy_tbs
 
 from k3_kernels.kda import reference as R
 from k3_kernels.kda.triton_chunk import chunk_kda_fwd
@@ -35,7 +37,7 @@ from k3_kernels.kda.triton_chunk import chunk_kda_fwd
 print = functools.partial(print, flush=True)  # noqa: A001 - progress visible when piped (device runs)
 
 H, K, V = 96, 128, 128
-CEIL_MS_8K = 0.23
+CEIL_BYTES_PER_TOKEN_HEAD = 1280  # the fused layer's unavoidable traffic (notes/performance.md)
 DEV = "cuda"
 FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
 # varlen case: 8 sequences, 32K total, boundaries at and off 64-token chunk edges
@@ -332,8 +334,9 @@ def main():
 
     vs = variants(args)
     print(f"configs: chunk 16 {TUNE[16] or 'defaults'}, chunk 64 {TUNE[64] or 'defaults'}\n")
+    peak = copy_tbs(DEV)
     print("| case | " + " | ".join(f"{lab} ms" for lab, _, _ in vs) + " | fla ms | " +
-          " | ".join(f"fla / {lab}" for lab, _, _ in vs) + " | best ours % of ceiling |")
+          " | ".join(f"fla / {lab}" for lab, _, _ in vs) + f" | best ours % of ceiling (copy {peak:.2f} TB/s) |")
     print("|---" * (2 * len(vs) + 3) + "|")
     notes = []
     for name, T, cu_l in cases:
@@ -349,7 +352,7 @@ def main():
             cu_f = None if cu_t is None else cu_t.long()
             ref = fla(x, cu=cu_f)  # autotune outside the timing
             t_fla = bench(lambda: fla(x, cu=cu_f))
-        ceil = CEIL_MS_8K * T / 8192
+        ceil = CEIL_BYTES_PER_TOKEN_HEAD * T * H / (peak * 1e9)  # ms
         fla_cols = [f"{t_fla / t:.2f}x" if fla is not None else "-" for t in ts]
         print(f"| {name} | " + " | ".join(f"{t:.3f}" for t in ts) +
               f" | {f'{t_fla:.3f}' if fla is not None else '-'} | " + " | ".join(fla_cols) +

@@ -6,7 +6,8 @@ an fp32 torch reference on the same latent; then timed with `triton.testing.do_b
 decode setting) and, for ours, also with `do_bench` (eager, L2 flushed between calls). "ours" is the default of
 `mla_paged_decode` (the Gluon split kernel on Hopper at these shapes); the Triton kernel is timed beside it.
 TB/s counts the unavoidable traffic, the latent `B * L * 576 * 2` bytes, for every method (SDPA really reads
-more: the expanded K/V); the ceiling is the 4.27 TB/s copy bandwidth of notes/performance.md.
+more: the expanded K/V); the ceiling is the copy bandwidth measured in the same run
+(`ceilings.copy_tbs`: 4.27 TB/s on the H200, 3.00 on the H100).
 
     pip install -e . --no-deps --no-build-isolation && python benchmarks/mla_decode.py   # with a config sweep
     python benchmarks/mla_decode.py --quick    # the heuristic default config only
@@ -25,10 +26,10 @@ import torch
 import triton
 import triton.language as tl
 from triton.testing import do_bench, do_bench_cudagraph
+from ceilings import copy_tbs
 
 from k3_kernels.mla.triton_decode import mla_paged_decode
 
-CEILING_TBS = 4.27
 R, DR, PAGE = 512, 64, 64
 CONFIG = pathlib.Path(__file__).resolve().parents[1] / "src" / "transformers_k3" / "released_config.json"
 # (block_m, block_n, num_warps, num_stages[, num_splits]): the heuristic default is always run too.
@@ -206,12 +207,13 @@ def main():
     def tbs(ms, n):
         return n / (ms * 1e-3) / 1e12
 
-    print("\n| B | L | latent MB | ours best ms (config) | TB/s | % of 4.27 | ours default ms | Triton kernel ms | "
-          "ours eager ms (L2 flushed) | torch bmm ms | TB/s | SDPA ms | speed-up vs torch |")
+    peak = copy_tbs()
+    print(f"\n| B | L | latent MB | ours best ms (config) | TB/s | % of {peak:.2f} | ours default ms | "
+          "Triton kernel ms | ours eager ms (L2 flushed) | torch bmm ms | TB/s | SDPA ms | speed-up vs torch |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for B, L, n, best, cfg, t_def, t_triton, t_eager, t_torch, t_sdpa in rows:
         print(f"| {B} | {L} | {n / 1e6:.0f} | {best:.4f} ({cfg}) | {tbs(best, n):.2f} | "
-              f"{100 * tbs(best, n) / CEILING_TBS:.0f} % | {t_def:.4f} | {t_triton:.4f} | {t_eager:.4f} | "
+              f"{100 * tbs(best, n) / peak:.0f} % | {t_def:.4f} | {t_triton:.4f} | {t_eager:.4f} | "
               f"{t_torch:.4f} | "
               f"{tbs(t_torch, n):.2f} | {'-' if math.isnan(t_sdpa) else f'{t_sdpa:.4f}'} | {t_torch / best:.1f}x |")
     print("\nTimes: do_bench_cudagraph medians (decode runs inside a CUDA graph); rows whose latent is under the "

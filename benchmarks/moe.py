@@ -4,9 +4,10 @@ width 3072 = moe_intermediate_size; SPEC 5 and the released config).
 Paths, same routing and inputs, one run: our Triton kernel on MXFP4-packed experts (W4A16) and on bf16 experts,
 `torch._grouped_mm` on bf16 experts (what transformers' `grouped_mm` experts implementation calls), and the
 per-expert Python loop (transformers' eager). Each is checked against the fp32 reference on a sample of tokens
-first. Decode is bandwidth-bound: the ceiling is the bytes of the touched experts at 4.27 TB/s (each path is
-charged its own weight bytes: 2 a weight in bf16, 17/32 in MXFP4); prefill (8192 tokens) is compute-bound:
-TFLOP/s against the measured ~790 bf16 dense (notes/performance.md; 989 is the spec sheet). Timed eagerly with
+first. Decode is bandwidth-bound: the ceiling is the bytes of the touched experts at the copy bandwidth (each
+path is charged its own weight bytes: 2 a weight in bf16, 17/32 in MXFP4); prefill (8192 tokens) is compute-bound:
+TFLOP/s against a large bf16 matmul. Both ceilings are measured in the same run, before the weights are made
+(`ceilings`: 4.27 TB/s and about 790 TFLOP/s on the H200; 989 is the spec sheet). Timed eagerly with
 `triton.testing.do_bench` (the `grouped_mm` peer syncs on its counts, so no CUDA graph); the weights (~75 GB
 in all) are far bigger than L2, so nothing is served from cache. Last line: MXFP4 vs `torch._grouped_mm` at 64
 tokens (target >= 3x: the 3.76x fewer weight bytes, less the unpack work).
@@ -38,13 +39,13 @@ import time
 
 import torch
 import triton
+from ceilings import copy_tbs, matmul_tflops
 
 from k3_kernels.moe.reference import moe_experts
 from k3_kernels.moe.triton_moe import _DEFAULT_CONFIGS, _is_decode, moe_experts_triton
 from k3_kernels.mxfp4.reference import dequantize_mxfp4
 from k3_kernels.situ.reference import situ_glu
 
-PEAK_TBS, PEAK_TFLOPS = 4.27, 790.0
 
 
 def grouped_mm_experts(x, top_idx, top_w, gate_up, down):
@@ -350,6 +351,7 @@ def main():
     args = ap.parse_args()
     # top-k capped at the expert count, so a smoke run with few experts keeps the default --top-k
     E, k, (D, I), dev = args.experts, min(args.top_k, args.experts), args.dims, args.device
+    peak_tbs, peak_tflops = copy_tbs(dev), matmul_tflops(dev)  # before the weights fill the card
     torch.manual_seed(0)
     fp4 = random_mxfp4(E, D, I, dev)
     w13p, w13s, w2p, w2s = fp4.values()
@@ -397,12 +399,13 @@ def main():
     print(f"\nMoE experts, E={E}, top-{k}, D={D}, I={I}, {gpu}, torch {torch.__version__}, triton {triton.__version__}")
     print(f"expert weights: {w13p.nbytes + w13s.nbytes + w2p.nbytes + w2s.nbytes:.3e} bytes MXFP4, "
           f"{gate_up.nbytes + down.nbytes:.3e} bytes bf16\n")
-    print("| tokens | experts touched | path | ms | weight GB/s | % of 4.27 TB/s | TFLOP/s | % of 790 | vs grouped_mm |")
+    print(f"| tokens | experts touched | path | ms | weight GB/s | % of {peak_tbs:.2f} TB/s | TFLOP/s | "
+          f"% of {peak_tflops:.0f} | vs grouped_mm |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     peer = {N: ms for N, _, name, ms, _, _ in rows if name == "torch._grouped_mm bf16"}
     for N, t, name, ms, gbs, tf in rows:
-        print(f"| {N} | {t} | {name} | {ms:.3f} | {gbs:.0f} | {100 * gbs / 1e3 / PEAK_TBS:.0f} % | {tf:.1f} | "
-              f"{100 * tf / PEAK_TFLOPS:.1f} % | {peer[N] / ms:.2f}x |")
+        print(f"| {N} | {t} | {name} | {ms:.3f} | {gbs:.0f} | {100 * gbs / 1e3 / peak_tbs:.0f} % | {tf:.1f} | "
+              f"{100 * tf / peak_tflops:.1f} % | {peer[N] / ms:.2f}x |")
     for path in ("ours MXFP4", "ours MXFP4, Gluon", "ours MXFP4, Triton"):
         fp4_ms = {N: ms for N, _, name, ms, _, _ in rows if name == path}
         if 64 in fp4_ms:
