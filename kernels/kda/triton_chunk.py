@@ -345,23 +345,23 @@ def _store_block_row(ptr, rows, m_t, i_h, x0, x1, x2, x3, H: tl.constexpr, BS: t
 
 
 @triton.jit
-def _ks_sub(q, k, g, rows, m_t, i_h, o_c, a_h, bias, lower_bound, carry,
-            H: tl.constexpr, K: tl.constexpr, BS: tl.constexpr, USE_GATE: tl.constexpr, LOG2: tl.constexpr = False,
-            LIBM: tl.constexpr = False):
-    """Channels o_c [BK] of BS rows (a 16-token sub-tile or a whole chunk): raw q, k (fp32, not normalised),
-    G = carry + cumsum(g) and G at the last row. LOG2: G (and carry) in log2 units, g log2(e) (for exp2).
-    LIBM: the gate's sigmoid on `tl.sigmoid` (see `_kda_chunk64_wu_kernel`)."""
+def _load_qkg(q, k, g, rows, m_t, i_h, o_c, H: tl.constexpr, K: tl.constexpr):
+    # channels o_c of q, k and g at the given rows (fp32; zero past the sequence) and the rows' [BS, 1] mask
     p = (rows[:, None] * H + i_h) * K + o_c[None, :]
     m2 = m_t[:, None]
-    b_q = tl.load(q + p, mask=m2, other=0.0).to(tl.float32)
-    b_k = tl.load(k + p, mask=m2, other=0.0).to(tl.float32)
-    b_g = tl.load(g + p, mask=m2, other=0.0).to(tl.float32)
+    return (tl.load(q + p, mask=m2, other=0.0).to(tl.float32), tl.load(k + p, mask=m2, other=0.0).to(tl.float32),
+            tl.load(g + p, mask=m2, other=0.0).to(tl.float32), m2)
+
+
+@triton.jit
+def _ks_sub(q, k, g, rows, m_t, i_h, o_c, a_h, bias, lower_bound, carry,
+            H: tl.constexpr, K: tl.constexpr, BS: tl.constexpr, USE_GATE: tl.constexpr, LIBM: tl.constexpr = False):
+    """Channels o_c [BK] of the BS rows of a whole chunk: raw q, k (fp32, not normalised), G = carry + cumsum(g) and
+    G at the last row. LIBM: the gate's sigmoid on `tl.sigmoid` (see `_kda_chunk64_wu_kernel`)."""
+    b_q, b_k, b_g, m2 = _load_qkg(q, k, g, rows, m_t, i_h, o_c, H, K)
     if USE_GATE:
-        lb = lower_bound * _LOG2E if LOG2 else lower_bound  # log2(e) folded into the bound
         z = a_h * (b_g + bias[None, :])
-        b_g = tl.where(m2, lb * (tl.sigmoid(z) if LIBM else _sigmoid(z)), 0.0)
-    elif LOG2:
-        b_g = b_g * _LOG2E
+        b_g = tl.where(m2, lower_bound * (tl.sigmoid(z) if LIBM else _sigmoid(z)), 0.0)
     G = tl.cumsum(b_g, axis=0) + carry[None, :]
     return b_q, b_k, G, tl.sum(tl.where(tl.arange(0, BS)[:, None] == BS - 1, G, 0.0), axis=0)
 
@@ -374,19 +374,64 @@ def _bias_cols(dt_bias, i_h, o_c, K: tl.constexpr, USE_GATE: tl.constexpr):
 
 
 @triton.jit
+def _rcp_approx(x, INTERP: tl.constexpr):
+    # 1 / x as one rcp.approx.ftz.f32: Triton's division compiles to a range-checked sequence of five instructions.
+    # The CPU interpreter (INTERP) has no inline PTX, so it divides.
+    if INTERP:
+        r = 1.0 / x
+    else:
+        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    return r
+
+
+@triton.jit
+def _tf32_trunc(x):
+    # x with the 13 low mantissa bits cleared: what a tf32 tensor-core product reads of an fp32 operand
+    return (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _cumsum_mma(x, BS: tl.constexpr, INTERP: tl.constexpr):
+    """cumsum of x [BS, BC] over its rows as the product tril(ones) x on the tensor cores, with x split into a tf32
+    head and its fp32 remainder, so each term loses at most 2^-20 of itself (fp32 adds lose 2^-24 of the running
+    sum). One warp's scan across lanes costs four shuffle rounds a register; the two products cost 8 HMMA. The
+    CPU interpreter's fp32 dots get the remainder truncated to tf32 as well (the worse of truncation and rounding,
+    either of which a tf32 product may apply to an fp32 operand)."""
+    o = tl.arange(0, BS)
+    tri = tl.where(o[:, None] >= o[None, :], 1.0, 0.0)
+    hi = _tf32_trunc(x)
+    lo = x - hi
+    if INTERP:
+        return tl.dot(tri, hi, input_precision="ieee") + tl.dot(tri, _tf32_trunc(lo), input_precision="ieee")
+    return tl.dot(tri, hi, input_precision="tf32") + tl.dot(tri, lo, input_precision="tf32")
+
+
+@triton.jit
 def _ks_left(q, k, g, rows, m_t, i_h, o_c, a_h, bias, lower_bound, ref,
-             H: tl.constexpr, K: tl.constexpr, BS: tl.constexpr, USE_GATE: tl.constexpr):
+             H: tl.constexpr, K: tl.constexpr, BS: tl.constexpr, USE_GATE: tl.constexpr, INTERP: tl.constexpr):
     """A sub-tile whose chunk decay starts at `ref` (e of the sub-tile before, 0 for the first): left factors
     k e^{G - ref}, q e^{G - ref} (exponents in [-80, 0]), its own right factor k e^{ref - G} (in [0, 80]),
     kt = k e^{e - G} for the later sub-tiles, e = G at its last row, and the squared norms of q and k.
-    G, ref and e are in log2 units here (exp2 needs no multiply; one exponent serves both factors)."""
-    bq, bk, G, e = _ks_sub(q, k, g, rows, m_t, i_h, o_c, a_h, bias, lower_bound, ref, H, K, BS, USE_GATE, True)
-    t = G - ref[None, :]
+    G, ref and e are in log2 units here (exp2 needs no multiply; one exponent serves both factors).
+    G - ref is the sub-tile's own cumsum, formed on the tensor cores (``_cumsum_mma``), and the gate's sigmoid
+    takes one scalar scale and ``_rcp_approx``: together they took the loop over K from 1770 to 1370 SASS
+    instructions a 16-channel slice (triton 3.6, sm_90a) and the kernel from 681 to 620 us at T = 8K on the H200
+    (BENCHMARKS.md, thirtieth session)."""
+    bq, bk, b_g, m2 = _load_qkg(q, k, g, rows, m_t, i_h, o_c, H, K)
+    if USE_GATE:
+        # lb sigmoid(a (z + b)) in log2 units: lb log2(e) / (1 + 2^{-a log2(e) (z + b)})
+        y = (b_g + bias[None, :]) * (-_LOG2E * a_h)
+        b_g = tl.where(m2, (lower_bound * _LOG2E) * _rcp_approx(1.0 + tl.math.exp2(y), INTERP), 0.0)
+    else:
+        b_g = b_g * _LOG2E
+    t = _cumsum_mma(b_g, BS, INTERP)  # G - ref
+    tot = tl.sum(tl.where(tl.arange(0, BS)[:, None] == BS - 1, t, 0.0), axis=0)  # e - ref
     left = tl.math.exp2(t)
     right = bk * tl.math.exp2(-t)
     # kt = k e^{e - G} = right e^{e - ref}: a per-channel factor instead of a third exponential per element
     # (2.62 -> 2.55 ms forward at T = 8K on the H200, fourteenth session)
-    return (bk * left, bq * left, right, right * tl.math.exp2(e - ref)[None, :], e,
+    return (bk * left, bq * left, right, right * tl.math.exp2(tot)[None, :], ref + tot,
             tl.sum(bq * bq, axis=1), tl.sum(bk * bk, axis=1))
 
 
@@ -472,6 +517,7 @@ def _kda_chunk64_prep_kernel(
     H: tl.constexpr, K: tl.constexpr, BS: tl.constexpr, IS_VARLEN: tl.constexpr,
     USE_GATE: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, USE_L2NORM: tl.constexpr,
     DOT_BF16: tl.constexpr, WU_DOT: tl.constexpr, BK: tl.constexpr, STORE_BWD: tl.constexpr = False,
+    INTERP: tl.constexpr = False,
 ):
     """First of the two 64-token prep kernels, per (chunk, head), fully parallel: Aqk and the UT inverse.
 
@@ -516,25 +562,25 @@ def _kda_chunk64_prep_kernel(
         zc = tl.zeros([BK], dtype=tl.float32)
         # sub-tile i against its own rows (R) and earlier sub-tiles j (kt_j, rescaled to the reference e_{i-1})
         lk, lq, R, kt0, e0, s_q, s_k = _ks_left(q, k, g, rows0, m0, i_h, o_c, a_h, bias, lower_bound, zc,
-                                                H, K, BS, USE_GATE)
+                                                H, K, BS, USE_GATE, INTERP)
         sq0 += s_q
         sk0 += s_k
         A00, Q00 = _acc2(A00, Q00, lk, lq, R, DOT_BF16)
         lk, lq, R, kt1, e1, s_q, s_k = _ks_left(q, k, g, rows1, m1, i_h, o_c, a_h, bias, lower_bound, e0,
-                                                H, K, BS, USE_GATE)
+                                                H, K, BS, USE_GATE, INTERP)
         sq1 += s_q
         sk1 += s_k
         A10, Q10 = _acc2(A10, Q10, lk, lq, kt0, DOT_BF16)
         A11, Q11 = _acc2(A11, Q11, lk, lq, R, DOT_BF16)
         lk, lq, R, kt2, e2, s_q, s_k = _ks_left(q, k, g, rows2, m2, i_h, o_c, a_h, bias, lower_bound, e1,
-                                                H, K, BS, USE_GATE)
+                                                H, K, BS, USE_GATE, INTERP)
         sq2 += s_q
         sk2 += s_k
         A20, Q20 = _acc2(A20, Q20, lk, lq, kt0 * tl.math.exp2(e1 - e0)[None, :], DOT_BF16)
         A21, Q21 = _acc2(A21, Q21, lk, lq, kt1, DOT_BF16)
         A22, Q22 = _acc2(A22, Q22, lk, lq, R, DOT_BF16)
         lk, lq, R, kt3, e3, s_q, s_k = _ks_left(q, k, g, rows3, m3, i_h, o_c, a_h, bias, lower_bound, e2,
-                                                H, K, BS, USE_GATE)
+                                                H, K, BS, USE_GATE, INTERP)
         sq3 += s_q
         sk3 += s_k
         A30, Q30 = _acc2(A30, Q30, lk, lq, kt0 * tl.math.exp2(e2 - e0)[None, :], DOT_BF16)
@@ -1003,6 +1049,7 @@ def _launch_prep64(n_chunks, args, H, K, V, is_varlen, flags, dot_mode, wu_dot, 
         lower_bound, scale, T, NT,
         H=H, K=K, BS=_BS, IS_VARLEN=is_varlen, USE_GATE=use_gate, USE_BETA_SIGMOID=use_bsig, USE_L2NORM=use_l2,
         DOT_BF16=dot_mode, WU_DOT=wu_dot, BK=min(K, _PREP64_BLOCK), STORE_BWD=bwd_bufs is not None,
+        INTERP=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=prep_num_warps or _PREP64_WARPS,
     )
     bk, bv, nw, maxnreg = _WU64

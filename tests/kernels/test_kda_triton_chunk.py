@@ -20,7 +20,8 @@ from helpers import rel_err
 from k3_kernels.kda import reference as R
 
 triton = pytest.importorskip("triton")
-from k3_kernels.kda.triton_chunk import chunk_kda, chunk_kda_fwd  # noqa: E402
+tl = pytest.importorskip("triton.language")
+from k3_kernels.kda.triton_chunk import _cumsum_mma, chunk_kda, chunk_kda_fwd  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TS = [1, 15, 16, 17, 63, 64, 65, 100]
@@ -97,6 +98,30 @@ def test_chunk64_u0_in_state_kernel(output, dtype):
         assert rel_err(o, o_r) <= tol and rel_err(S, S_r) <= tol
     # the same products on the same operands, only the column blocking differs
     assert rel_err(o_in, o_buf) <= 1e-5 and rel_err(S_in, S_buf) <= 1e-5
+
+
+@triton.jit
+def _cumsum_tile(X, OUT, BS: tl.constexpr, INTERP: tl.constexpr):
+    o = tl.arange(0, BS)
+    p = o[:, None] * BS + o[None, :]
+    tl.store(OUT + p, _cumsum_mma(tl.load(X + p), BS, INTERP))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cumsum_mma_precision(seed):
+    """The 64-token prep's in-sub-tile cumsum on the tensor cores (tf32 head + remainder, ``_cumsum_mma``) against
+    fp64: within 2^-17 of each column's sum of |g| (K3's log2 decays, up to 5 log2(e) a step). The head alone, a
+    single tf32 product, misses that bound by far (checked on the same values), so the test sees a lost remainder."""
+    gen = torch.Generator().manual_seed(seed)
+    x = -torch.rand(16, 16, generator=gen, dtype=torch.float64) * 5 * 1.4426950408889634
+    x32 = x.float().to(DEVICE)
+    out = torch.empty_like(x32)
+    _cumsum_tile[(1,)](x32, out, BS=16, INTERP=os.environ.get("TRITON_INTERPRET") == "1", num_warps=1)
+    ref = torch.cumsum(x32.double().cpu(), dim=0)
+    bound = 2.0 ** -17 * x.abs().sum(0)
+    assert ((out.double().cpu() - ref).abs() <= bound).all()
+    head = (x32.cpu().view(torch.int32) & -8192).view(torch.float32).double()
+    assert ((torch.cumsum(head, dim=0) - ref).abs() > bound).any()
 
 
 def test_extreme_gate_bound():
