@@ -387,7 +387,8 @@ def _rcp_approx(x, INTERP: tl.constexpr):
 
 @triton.jit
 def _tf32_trunc(x):
-    # x with the 13 low mantissa bits cleared: what a tf32 tensor-core product reads of an fp32 operand
+    # x with the 13 low mantissa bits cleared, exact in tf32 (one LOP3 on the GPU; `_tf32_round`, which the
+    # interpreter's tf32 emulation uses, rounds instead and costs an add more)
     return (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
 
 
