@@ -42,4 +42,3 @@ def matmul_tflops(device: str = "cuda") -> float:
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     ms = triton.testing.do_bench(lambda: a @ b)
     return 2 * n**3 / ms / 1e9
-
