@@ -66,7 +66,7 @@ dX = dXb diag(beta), dbeta gains colsum(dXb * X)):
    keeping X and the normalised strict Akk as well (``triton_chunk._recompute_for_backward``); or all of these
    come from a forward that kept them (``kept``);
 2. ``_bwd64_dstate_kernel``: the reverse carry above over 64-token chunks (dh, du);
-3. ``_bwd64_inter_kernel``, parallel over (chunk, head, K-block + 1): the sums over V and the inter-chunk
+3. ``_bwd64_inter_kernel``, parallel over (K-block + 1, chunk, head): the sums over V and the inter-chunk
    gradients in fp32 scratch, Xb's gradient as per-program partials (deterministic, no atomics);
 4. ``_bwd64_ut_kernel``, parallel over (chunk, head): the UT inverse's backward (dA to fp32 scratch, dbeta);
 5. ``_bwd64_intra_kernel``, parallel over (K slice, chunk, head): the intra-chunk products dAqk -> dq, dk and
@@ -474,10 +474,12 @@ def _bwd64_inter_kernel(
     of the gradients with respect to qt = s q / |q|, kh = k / |k| and G (fp32 scratch). Program NK takes what
     does not depend on K: dAqk = do u^T, Xb's partial gradient du v^T, and dv = Xb^T du. Xb = X diag(beta) is
     loaded where it is used (after the V loop for p < NK), so it does not hold registers across the loop."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_p = tl.program_id(2)
-    n_chunks = tl.num_programs(0)
+    # program-major grid: the NK + 1 programs of a (chunk, head) run side by side, so do, u and du, which each of
+    # them reads, come from HBM once (each 12,288 launches apart: 3469 -> 3213 us at T = 8K on the H200)
+    i_p = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_h = tl.program_id(2)
+    n_chunks = tl.num_programs(1)
     rows, m_t, o_t, p_cc, cid = _chunk64_rows(cu_seqlens, chunk_indices, i_c, i_h, T, NT, H, BT, IS_VARLEN)
     m2 = m_t[:, None]
     p_part = dXb_part + (i_p * n_chunks * H + cid) * (BT * BT) + p_cc
@@ -843,8 +845,12 @@ def chunk_kda_bwd(
 # Launch settings of the 64-token backward's parallel kernels (module-level so a benchmark can sweep them):
 # (BK, BV, num_warps, bf16 products with X for bf16 inputs) of _bwd64_inter_kernel, (BC, num_warps) of
 # _bwd64_intra_kernel, whose products stay tf32 (bf16 ones put dt_bias's gradient past the 2e-2 rule), and the
-# warps of _bwd64_ut_kernel.
-_INTER64 = (64, 32, 4, True)
+# warps of _bwd64_ut_kernel. The inter kernel at BK 32 (four K-block programs and the V one) compiles to no spill,
+# where BK 64 spilled 940 bytes a thread (sm_90a, triton 3.6): 6.1 GB of local-memory traffic at T = 8K, H = 96
+# by ncu's count, most of what made it 57 % DRAM-busy. At BK 32 it takes 2626 us against 3213 there (H200, same
+# call; the UT kernel, which sums the NK + 1 partials of dXb, 412 against 320 us; BENCHMARKS.md, thirty-first
+# session).
+_INTER64 = (32, 32, 4, True)
 _INTRA64 = (32, 4)
 _UT64_WARPS = 4
 
@@ -898,7 +904,7 @@ def _chunk_kda_bwd64(q, k, v, g, beta, do, scale, h0, dht, cu_seqlens, dims, gat
     dXb_part = torch.empty(NK + 1, n_chunks, H, 64, 64, **f32)
     dq_part, dk_part, dG_part = (torch.empty(B, T, H, K, **f32) for _ in range(3))
     dGl = torch.empty(n_chunks, H, K, **f32)
-    _bwd64_inter_kernel[(n_chunks, H, NK + 1)](
+    _bwd64_inter_kernel[(NK + 1, n_chunks, H)](
         q, k, v, g, beta, do, fb["h"], dh, fb["u"], du, fb["X"], fb["r"], fb["cu"], fb["chunk_indices"], *gate_ptrs,
         dv, dAqk, dXb_part, dq_part, dk_part, dG_part, dGl, lower_bound, T, NT,
         H=H, K=K, V=V, BT=64, BK=BK, BV=min(V, bv), NK=NK, DOT=dot_mode, XDOT=dot_mode if x_bf16 else x_dot,
