@@ -16,11 +16,18 @@ buffer a kernel may touch for each replay pass, which at the real expert count i
 the eleventh session's attempt ran out of its time limit), `moe_fp4` (MXFP4 experts through the default dispatch, the
 Gluon kernels on Hopper, 64 experts with 1K then 8K tokens' load an expert: 18 and 146 rows).
 `--clock-control none` leaves the GPU's clocks alone (the device notes ask for it).
+
+Where inside a kernel the time goes: add `--section SourceCounters` (stall sampling per SASS instruction), save
+the report with `-o kda` instead of `--csv`, export one kernel's source page and summarise it:
+
+    ncu -i kda.ncu-rep --page source --csv --print-source sass -k regex:_bwd64_inter > src_inter.csv
+    python benchmarks/ncu_regions.py --hotspots src_inter.csv     # stall reasons, opcodes, spill sectors, regions
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
 import pathlib
 import sys
@@ -115,13 +122,51 @@ def summarize(path: str):
         print(f"| `{name}` | " + " | ".join(cells) + " |")
 
 
+def hotspots(path: str, region: int = 250):
+    """Stall samples of one kernel's `--page source --csv --print-source sass` export: the stall reasons, the
+    opcodes that hold the samples, global and local (spill) L2 sectors, and the samples by runs of `region` SASS
+    instructions in address order (a loop or a straight-line stretch shows up as a run)."""
+    lines = pathlib.Path(path).read_text().splitlines()
+    rows = list(csv.reader(lines[1:]))  # the first line names the kernel
+    col = {name: i for i, name in enumerate(rows[0])}
+    data = rows[1:]
+
+    def num(r, name):
+        return float(r[col[name]].replace(",", "") or 0) if name in col else 0.0
+
+    samples = "Warp Stall Sampling (All Samples)"
+    total = sum(num(r, samples) for r in data) or 1.0
+    reasons = [n for n in col if n.startswith("stall_") and "Not Issued" not in n]
+
+    def shares(counter):
+        return ", ".join(f"{k} {100 * v / total:.1f} %" for k, v in counter.most_common(8) if v / total >= 0.01)
+
+    print(f"{len(data)} SASS instructions, {total:.0f} samples")
+    print("stall reasons:", shares(collections.Counter({n[6:]: sum(num(r, n) for r in data) for n in reasons})))
+    ops = collections.Counter()
+    for r in data:
+        words = [w for w in r[col["Source"]].split() if not w.startswith("@")]
+        ops[words[0].split(".")[0] if words else "?"] += num(r, samples)
+    print("opcodes:", shares(ops))
+    print("L2 sectors: global %.3g, local (spills) %.3g" % (sum(num(r, "L2 Theoretical Sectors Global") for r in data),
+                                                          sum(num(r, "L2 Theoretical Sectors Local") for r in data)))
+    for i in range(0, len(data), region):
+        part = data[i:i + region]
+        top = collections.Counter({n[6:]: sum(num(r, n) for r in part) for n in reasons})
+        print(f"  instructions {i:5d}-{i + len(part):5d}: {100 * sum(num(r, samples) for r in part) / total:5.1f} % of "
+              "samples; " + ", ".join(k for k, v in top.most_common(3) if v))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", nargs="?", choices=["kda", "mla", "attnres", "moe", "moe_fp4"])
     ap.add_argument("--summarize", metavar="CSV", help="print the table of an ncu --csv --page details file")
+    ap.add_argument("--hotspots", metavar="CSV", help="summarise an ncu --page source --print-source sass export")
     args = ap.parse_args()
     if args.summarize:
         return summarize(args.summarize)
+    if args.hotspots:
+        return hotspots(args.hotspots)
     if args.mode is None:
         ap.error("give a mode or --summarize")
     sys.path.insert(0, str(pathlib.Path(__file__).parent))  # the sibling benchmark scripts' input builders
