@@ -148,8 +148,8 @@ def hotspots(path: str, region: int = 250):
         words = [w for w in r[col["Source"]].split() if not w.startswith("@")]
         ops[words[0].split(".")[0] if words else "?"] += num(r, samples)
     print("opcodes:", shares(ops))
-    print("L2 sectors: global %.3g, local (spills) %.3g" % (sum(num(r, "L2 Theoretical Sectors Global") for r in data),
-                                                          sum(num(r, "L2 Theoretical Sectors Local") for r in data)))
+    sectors = [sum(num(r, f"L2 Theoretical Sectors {kind}") for r in data) for kind in ("Global", "Local")]
+    print(f"L2 sectors: global {sectors[0]:.3g}, local (spills) {sectors[1]:.3g}")
     for i in range(0, len(data), region):
         part = data[i:i + region]
         top = collections.Counter({n[6:]: sum(num(r, n) for r in part) for n in reasons})
