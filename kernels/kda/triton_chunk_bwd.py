@@ -88,8 +88,8 @@ the fp32 reference at T = 65) and fp32 for fp32 inputs; ``state_dtype`` override
 NT * H * K * V each (NT = number of chunks): ~1.6 GB each in bf16 at T = 32K, H = 96, K = V = 128 with
 64-token chunks, 6.4 GB with 16-token ones; u and du 1.6 GB each there in fp32 (the 16-token path), 0.8 GB each
 in the 64-token path, which keeps them in bf16 for bf16 inputs. The 64-token path's fp32 scratch of
-the parallel kernels (dq, dk, dG partials 1.2 GB, Xb's partials 0.6 GB, dAqk and dA 0.2 GB each) is about
-2.2 GB at T = 8K there, 4x that at 32K.
+the parallel kernels (dq, dk, dG partials 1.2 GB, Xb's partials 1.0 GB, one per inter program of a (chunk, head),
+dAqk and dA 0.2 GB each) is about 2.6 GB at T = 8K there, 4x that at 32K.
 
 Registers of the 16-token path (compiled ahead of time for sm_90a with triton 3.6, ptxas -v, K = V = 128,
 tf32): the sequential kernels at block_v = 32 and 4 warps spill <= 80 bytes; the per-chunk kernel at
