@@ -66,8 +66,9 @@ dX = dXb diag(beta), dbeta gains colsum(dXb * X)):
    keeping X and the normalised strict Akk as well (``triton_chunk._recompute_for_backward``); or all of these
    come from a forward that kept them (``kept``);
 2. ``_bwd64_dstate_kernel``: the reverse carry above over 64-token chunks (dh, du);
-3. ``_bwd64_inter_kernel``, parallel over (K-block + 1, chunk, head): the sums over V and the inter-chunk
-   gradients in fp32 scratch, Xb's gradient as per-program partials (deterministic, no atomics);
+3. ``_bwd64_inter_kernel``, parallel over (chunk, head, K-block + 1), a chunk's K-blocks side by side: the sums
+   over V and the inter-chunk gradients in fp32 scratch, Xb's gradient as per-program partials (deterministic, no
+   atomics);
 4. ``_bwd64_ut_kernel``, parallel over (chunk, head): the UT inverse's backward (dA to fp32 scratch, dbeta);
 5. ``_bwd64_intra_kernel``, parallel over (K slice, chunk, head): the intra-chunk products dAqk -> dq, dk and
    dA -> dk as batches of four [16, 64] x [64, BC] dots, one per 16-row sub-tile, each around a reference inside
@@ -476,11 +477,12 @@ def _bwd64_inter_kernel(
     loaded where it is used (after the V loop for p < NK), so it does not hold registers across the loop."""
     # program-major grid: the NK + 1 programs of a (chunk, head) run side by side, so do, u and du, which each of
     # them reads, come from HBM once (chunk-major they were 12,288 launches apart at T = 8K, H = 96, and each read
-    # them from HBM: 3469 -> 3213 us on the H200 at BK 64)
-    i_p = tl.program_id(0)
-    i_c = tl.program_id(1)
-    i_h = tl.program_id(2)
-    n_chunks = tl.num_programs(1)
+    # them from HBM: 3469 -> 3213 us on the H200 at BK 64). Program and chunk share grid axis 0, which has no
+    # 65,535 limit.
+    i_p = tl.program_id(0) % (NK + 1)
+    i_c = tl.program_id(0) // (NK + 1)
+    i_h = tl.program_id(1)
+    n_chunks = tl.num_programs(0) // (NK + 1)
     rows, m_t, o_t, p_cc, cid = _chunk64_rows(cu_seqlens, chunk_indices, i_c, i_h, T, NT, H, BT, IS_VARLEN)
     m2 = m_t[:, None]
     p_part = dXb_part + (i_p * n_chunks * H + cid) * (BT * BT) + p_cc
@@ -597,9 +599,9 @@ def _bwd64_intra_kernel(
     So each product is a batch of four [16, 64] x [64, BC] dots: the sub-tiles' rows of dAqk / dA against the
     chunk's right factors, and their columns (loaded transposed) against the left ones; the causal / strict zeros
     of dAqk / dA and the -inf exponents outside the sub-tiles in range do the masking."""
-    i_k = tl.program_id(0)
-    i_c = tl.program_id(1)
-    i_h = tl.program_id(2)
+    i_k = tl.program_id(0) % (K // BC)  # the slices of a chunk side by side on grid axis 0 (no 65,535 limit)
+    i_c = tl.program_id(0) // (K // BC)
+    i_h = tl.program_id(1)
     rows, m_t, o_t, _, cid = _chunk64_rows(cu_seqlens, chunk_indices, i_c, i_h, T, NT, H, BT, IS_VARLEN)
     m2 = m_t[:, None]
     o_c = i_k * BC + tl.arange(0, BC)
@@ -667,9 +669,9 @@ def _bwd64_l2_kernel(
     """Per (K slice, 64-chunk, head): back through the L2 norms, x_hat = x r with r = 1 / |x|:
     dx = r (dx_hat - x_hat <dx_hat, x_hat>), the row sums <dx_hat, x_hat> added up over the intra kernel's slices;
     qt = s q_hat."""
-    i_k = tl.program_id(0)
-    i_c = tl.program_id(1)
-    i_h = tl.program_id(2)
+    i_k = tl.program_id(0) % (K // BC)  # the slices of a chunk side by side on grid axis 0 (no 65,535 limit)
+    i_c = tl.program_id(0) // (K // BC)
+    i_h = tl.program_id(1)
     rows, m_t, _, _, _ = _chunk64_rows(cu_seqlens, chunk_indices, i_c, i_h, T, NT, H, BT, IS_VARLEN)
     m2 = m_t[:, None]
     p_row = (rows * H + i_h) * (K // BC) * 2
@@ -905,7 +907,7 @@ def _chunk_kda_bwd64(q, k, v, g, beta, do, scale, h0, dht, cu_seqlens, dims, gat
     dXb_part = torch.empty(NK + 1, n_chunks, H, 64, 64, **f32)
     dq_part, dk_part, dG_part = (torch.empty(B, T, H, K, **f32) for _ in range(3))
     dGl = torch.empty(n_chunks, H, K, **f32)
-    _bwd64_inter_kernel[(NK + 1, n_chunks, H)](
+    _bwd64_inter_kernel[((NK + 1) * n_chunks, H)](
         q, k, v, g, beta, do, fb["h"], dh, fb["u"], du, fb["X"], fb["r"], fb["cu"], fb["chunk_indices"], *gate_ptrs,
         dv, dAqk, dXb_part, dq_part, dk_part, dG_part, dGl, lower_bound, T, NT,
         H=H, K=K, V=V, BT=64, BK=BK, BV=min(V, bv), NK=NK, DOT=dot_mode, XDOT=dot_mode if x_bf16 else x_dot,
@@ -923,7 +925,7 @@ def _chunk_kda_bwd64(q, k, v, g, beta, do, scale, h0, dht, cu_seqlens, dims, gat
     ddt_part = torch.empty(n_chunks, H, K, **f32) if use_gate else q
     dA_part = torch.empty(n_chunks, H, NKS, **f32) if use_gate else q
     row_part = torch.empty(B, T, H, NKS, 2, **f32) if use_l2 else q
-    grid = (NKS, n_chunks, H)  # the slices of a chunk run side by side (its dAqk, dA and rows stay in L2)
+    grid = (NKS * n_chunks, H)  # the slices of a chunk run side by side (its dAqk, dA and rows stay in L2)
     _bwd64_intra_kernel[grid](
         q, k, g, fb["r"], dAqk, dA, dq_part, dk_part, dG_part, dGl, fb["cu"], fb["chunk_indices"], *gate_ptrs,
         dq, dk, dg, ddt_part, dA_part, row_part, lower_bound, scale, T, NT,
