@@ -13,6 +13,8 @@ Timing: `triton.testing.do_bench` median of forward + backward (loss <o, do> + <
     pip install -e . && python benchmarks/kda_chunk_bwd.py       # fla's first call autotunes for minutes
     python benchmarks/kda_chunk_bwd.py --no-fla
     python benchmarks/kda_chunk_bwd.py --ts 8192 --chunk64-only --no-fla-check   # the default backward vs fla only
+    python benchmarks/kda_chunk_bwd.py --no-fla --ts 0 --launches "32,32,4/32,4 16,32,4/32,4 32,32,4/16,4"
+        # the 64-token backward's parallel kernels at other launches (inter BK,BV,warps / intra BC,warps), T = 8K
     TRITON_INTERPRET=1 python benchmarks/kda_chunk_bwd.py --check-only --device cpu --no-fla   # CPU smoke
 """
 
@@ -25,6 +27,7 @@ import triton
 
 from k3_kernels.kda import reference as R
 from k3_kernels.kda import triton_chunk as TC
+from k3_kernels.kda import triton_chunk_bwd as TB
 
 H, K, V = 96, 128, 128
 DEV = "cuda"
@@ -142,6 +145,50 @@ def profile(label, fn, T=8192, iters=5):
     del x, do
 
 
+def launches(specs, T=8192, rounds=3):
+    """Forward + backward of ours at T with the 64-token backward's inter / intra kernels at each launch of specs
+    ("BK,BV,warps/BC,warps", module defaults restored after): ms (the least of `rounds` medians, the launches taken
+    round-robin so clock drift spreads over all of them), the two kernels' CUDA times from one profiled step, and
+    the largest gradient difference from the first launch's, relative to each gradient's largest value."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    default = TB._INTER64, TB._INTRA64
+    x = inputs(T)
+    do = torch.randn(1, T, H, V, device=DEV).bfloat16()
+    dS = torch.randn(1, H, K, V, device=DEV)
+    parsed = []
+    for spec in specs:
+        inter, intra = (tuple(int(n) for n in part.split(",")) for part in spec.split("/"))
+        parsed.append(((*inter, default[0][3]), intra))
+    best, first, rows = [float("inf")] * len(parsed), None, []
+    try:
+        for r in range(rounds):
+            for i, launch in enumerate(parsed):
+                TB._INTER64, TB._INTRA64 = launch
+                if r == 0:  # compile, gradients, kernel times
+                    got = grads(ours, x, do, dS)
+                    first = first or got
+                    diff = max(rel(a, b) for a, b in zip(got, first))
+                    us = dict.fromkeys(("_bwd64_inter", "_bwd64_intra"), float("nan"))
+                    if DEV == "cuda":
+                        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                            grads(ours, x, do, dS)
+                            torch.cuda.synchronize()
+                        us = {n: sum(e.device_time_total for e in prof.key_averages() if n in e.key) for n in us}
+                    rows.append((diff, us))
+                best[i] = min(best[i], bench(lambda: grads(ours, x, do, dS)))
+    finally:
+        TB._INTER64, TB._INTRA64 = default
+    print(f"## the 64-token backward's launches, forward + backward at T = {T}\n")
+    print("| inter (BK, BV, warps) | intra (BC, warps) | ms | inter us | intra us | gradients vs the first |")
+    print("|---|---|---|---|---|---|")
+    for ((bk, bv, nw, _), intra), ms, (diff, us) in zip(parsed, best, rows):
+        print(f"| {bk}, {bv}, {nw} | {intra[0]}, {intra[1]} | {ms:.3f} | {us['_bwd64_inter']:.0f} | "
+              f"{us['_bwd64_intra']:.0f} | {diff:.1e} |")
+    print(flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--no-fla", action="store_true", help="skip fla (its first call autotunes for minutes)")
@@ -153,6 +200,10 @@ def main():
                     help="leave fla out of the small-shape check (its H = 4 shapes autotune separately)")
     ap.add_argument("--chunk64-only", action="store_true",
                     help="time only the 64-token backward (default and keep_buffers), not the 16-token ones")
+    ap.add_argument("--launches", default="",
+                    help="space-separated 64-token backward launches to time first, 'BK,BV,warps/BC,warps' (the "
+                         "inter / intra kernels; include the default, 32,32,4/32,4, to compare against)")
+    ap.add_argument("--launch-t", type=int, default=8192, help="the sequence length of --launches")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel CUDA time of one forward + backward of ours at T = 8K (torch.profiler)")
     args = ap.parse_args()
@@ -168,6 +219,9 @@ def main():
         profile("ours", ours)
         if fla is not None:
             profile("fla", fla)
+
+    if args.launches:
+        launches(args.launches.split(), T=args.launch_t)
 
     if args.sweep:
         print("## sweep of our 16-token backward kernels' tiling, forward + backward ms at T=8K\n")
@@ -193,12 +247,15 @@ def main():
         del x, do
         print()
 
+    ts = [int(t) for t in args.ts.split(",") if int(t)]  # --ts 0: no table
+    if not ts:
+        return
     print("## forward + backward, B=1, H=96, K=V=128, bf16, in-kernel gate / beta sigmoid / L2 norm\n")
     print("| T | ours fwd ms | ours fwd+bwd ms (16-token bwd, fp32 states) | ours fwd+bwd ms (16-token bwd, bf16 "
           "states) | ours fwd+bwd ms (64-token bwd: default) | ours fwd+bwd ms (64-token, keep_buffers) | fla fwd ms "
           "| fla fwd+bwd ms | fla / ours default | fla / ours keep_buffers |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for T in (int(t) for t in args.ts.split(",")):
+    for T in ts:
         x = inputs(T)
         do = torch.randn(1, T, H, V, device=DEV).bfloat16()
         dS = torch.randn(1, H, K, V, device=DEV)

@@ -852,7 +852,11 @@ def chunk_kda_bwd(
 # where BK 64 spilled 940 bytes a thread (sm_90a, triton 3.6): 6.1 GB of local-memory traffic at T = 8K, H = 96
 # by ncu's count, most of what made it 57 % DRAM-busy. At BK 32 it takes 2626 us against 3213 there (H200, same
 # call; the UT kernel, which sums the NK + 1 partials of dXb, 412 against 320 us; BENCHMARKS.md, thirty-first
-# session).
+# session). The intra kernel stays one batch of four [16, 64] x [64, BC] dots at (BC 32, 4 warps): 3.45 ms at T = 8K
+# on the H100, bound by L1 / shared-memory traffic (ncu: L1/TEX 71 % busy, 12.5 % occupancy). Its other launches and
+# 2-D forms with fewer spills and far less shared memory (a loop over the sub-tiles; the four blocks as block-masked
+# whole-chunk wgmma dots; [64, 16] x [16, BC] column-block dots) took 5.1-22 ms in the same calls (BENCHMARKS.md,
+# thirty-second session; branch `wip/kda-intra-2d`).
 _INTER64 = (32, 32, 4, True)
 _INTRA64 = (32, 4)
 _UT64_WARPS = 4
