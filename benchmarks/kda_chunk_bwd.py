@@ -55,6 +55,11 @@ def inputs(T, H=H, K=K, V=V, seed=0, N=1):
     return [t.requires_grad_() for t in x]
 
 
+def step_inputs(T):
+    """The K3-shaped inputs of one timed forward + backward at T, with the output and final-state cotangents."""
+    return inputs(T), torch.randn(1, T, H, V, device=DEV).bfloat16(), torch.randn(1, H, K, V, device=DEV)
+
+
 def ours(q, k, v, z, beta, A_log, dt_bias, h0=None, cu=None):
     return TC.chunk_kda(q, k, v, z, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
                         A_log=A_log, dt_bias=dt_bias, **FLAGS)
@@ -123,9 +128,7 @@ def profile(label, fn, T=8192, iters=5):
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    x = inputs(T)
-    do = torch.randn(1, T, H, V, device=DEV).bfloat16()
-    dS = torch.randn(1, H, K, V, device=DEV)
+    x, do, dS = step_inputs(T)
     step = lambda: grads(fn, x, do, dS)  # noqa: E731
     step()
     torch.cuda.synchronize()
@@ -154,9 +157,7 @@ def launches(specs, T=8192, rounds=3):
     from torch.profiler import profile as torch_profile
 
     default = TB._INTER64, TB._INTRA64
-    x = inputs(T)
-    do = torch.randn(1, T, H, V, device=DEV).bfloat16()
-    dS = torch.randn(1, H, K, V, device=DEV)
+    x, do, dS = step_inputs(T)
     parsed = []
     for spec in specs:
         inter, intra = (tuple(int(n) for n in part.split(",")) for part in spec.split("/"))
@@ -226,9 +227,7 @@ def main():
     if args.sweep:
         print("## sweep of our 16-token backward kernels' tiling, forward + backward ms at T=8K\n")
         print("| block_v | num_warps | chunk_block_v | chunk_num_warps | chunk_num_stages | ms |\n|---|---|---|---|---|---|")
-        x = inputs(8192)
-        do = torch.randn(1, 8192, H, V, device=DEV).bfloat16()
-        dS = torch.randn(1, H, K, V, device=DEV)
+        x, do, dS = step_inputs(8192)
         configs = [(bv, nw, 16, 8, None) for bv, nw in ((32, 2), (32, 4), (64, 2), (64, 4))]  # the sequential kernels
         # the per-chunk kernel: V tile, warps, V-loop pipelining depth
         # (ptxas, sm_90a, triton 3.6, with u / du loaded: 8 warps spill <= 16 bytes up to chunk_block_v = 32,
@@ -256,9 +255,7 @@ def main():
           "| fla fwd+bwd ms | fla / ours default | fla / ours keep_buffers |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for T in ts:
-        x = inputs(T)
-        do = torch.randn(1, T, H, V, device=DEV).bfloat16()
-        dS = torch.randn(1, H, K, V, device=DEV)
+        x, do, dS = step_inputs(T)
 
         def fb(fn):
             o, S = fn(*x)
