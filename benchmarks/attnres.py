@@ -16,8 +16,9 @@ and against "row" (gradients) before it is timed, then prints one markdown table
 
 `--pass2 split,tile` also times the tiled kernels' other second-sweep form (`TILED_PASS2`) and
 `--programs-per-sm none,2,4` caps on resident programs (`TILED_PROGRAMS_PER_SM`); each multiplies the tiled runs.
-`--tiled-configs` (instead of the pruned tiled sweep), `--resident` and `--cooperative` name launches to time
-(a cooperative num_warps of 0 takes each kernel's default); `--ns` picks the candidate counts; `--rounds 3` times
+`--tiled-configs` (instead of the pruned tiled sweep), `--resident`, `--cooperative` and `--stream` name launches to
+time (a cooperative or stream num_warps of 0 takes the default), and fla's `fused_attnres` joins the rounds where
+fla is installed; `--ns` picks the candidate counts; `--rounds 3` times
 every run three times, round-robin over the runs of an N, and reports the median (single timings of these kernels
 have varied by up to 2x between runs of the same launch):
 
@@ -89,23 +90,40 @@ def _timer(device):
 
 
 _SETTINGS = ("TILED_PASS2", "TILED_PROGRAMS_PER_SM", "RESIDENT_PREFETCH", "RESIDENT_PROGRAMS_PER_SM", "RESIDENT_STAGES",
-             "COOP_PROGRAMS_PER_SM")
+             "COOP_PROGRAMS_PER_SM", "STREAM_PROGRAMS_PER_SM", "STREAM_STAGES")
 
 
 def compare_variants(T, d, device="cuda", max_configs=20, pass2=("split",), per_sm=(None,), tiled=None, resident=(),
-                     coop=(), rounds=1, ns=(3, 6, 9)):
+                     coop=(), rounds=1, ns=(3, 6, 9), stream=()):
     """"row" (default launch) vs "tiled" over `tiled_configs` or the given `tiled` (block_t, block_d, num_warps)
     list (and each `TILED_PASS2` form in `pass2`) vs "resident" over `resident` (num_warps, prefetch,
     programs per SM, stages) where a token's tile fits vs "cooperative" over `coop` (num_warps or None for the
-    per-kernel defaults, block_d, programs per SM), stacked [N, T, d] bf16, each N of `ns`; each timed
+    per-kernel defaults, block_d, programs per SM) vs "stream" over `stream` (num_warps or None, stages, programs
+    per SM), stacked [N, T, d] bf16, each N of `ns`; each timed
     `rounds` times, round-robin over the runs of an N."""
     bench = _timer(device)
     before = {k: getattr(triton_attnres, k) for k in _SETTINGS}
     try:
-        _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident, coop, rounds, bench, ns)
+        _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident, coop, rounds, bench, ns, stream)
     finally:
         for k, v in before.items():
             setattr(triton_attnres, k, v)
+
+
+def _fla_attnres():
+    """fla's `fused_attnres`, or None where fla is not installed."""
+    try:
+        from fla.ops.attnres import fused_attnres
+    except Exception:  # fla absent (or broken): the peer is left out
+        return None
+    return fused_attnres
+
+
+def _call(variant, v, q, nw, kw):
+    """One AttnRes forward of the stacked candidates v: ours at `kw`, or fla's `fused_attnres` for "fla"."""
+    if variant == "fla":
+        return _fla_attnres()(q.flatten(), list(v), nw, rms_eps=1e-5)
+    return attn_res_triton(v, q, nw, 1e-5, **kw)
 
 
 def _apply_settings(variant, form):
@@ -119,9 +137,12 @@ def _apply_settings(variant, form):
         triton_attnres.RESIDENT_PROGRAMS_PER_SM = form[1]
     if variant == "cooperative":
         triton_attnres.COOP_PROGRAMS_PER_SM = form[1]
+    if variant == "stream":
+        triton_attnres.STREAM_STAGES = int(form[0].split("=")[1])
+        triton_attnres.STREAM_PROGRAMS_PER_SM = form[1]
 
 
-def _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident, coop, rounds, bench, ns):
+def _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident, coop, rounds, bench, ns, stream):
     rows = []
     best = {}
     for N in ns:
@@ -144,6 +165,9 @@ def _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident,
         if triton_attnres._resident_fits(N, d):
             runs += [("resident", (None, None, w), (f"prefetch={int(pf)} stages={st}", k)) for w, pf, k, st in resident]
         runs += [("cooperative", (None, bd, w), ("-", k)) for w, bd, k in coop]
+        runs += [("stream", (None, None, w), (f"stages={st}", k)) for w, st, k in stream]
+        if _fla_attnres() is not None and device == "cuda":
+            runs.append(("fla", (None, None, None), ("-", None)))  # the peer, in the same rounds
         checked = []  # (variant, cfg, form, kw, label, err, gerr) of the runs that compiled and ran
         for variant, cfg, form in runs:
             bt, bd, warps = cfg
@@ -152,10 +176,10 @@ def _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident,
             _apply_settings(variant, form)
             try:
                 with torch.no_grad():
-                    err = ((attn_res_triton(stacked, q, nw, 1e-5, **kw).float() - ref).abs().max() / scale).item()
+                    err = ((_call(variant, stacked, q, nw, kw).float() - ref).abs().max() / scale).item()
                 for t in (v_leaf, qg, nwg):
                     t.grad = None
-                attn_res_triton(v_leaf, qg, nwg, 1e-5, **kw).backward(dout)
+                _call(variant, v_leaf, qg, nwg, kw).backward(dout)
                 grads = [t.grad.float().clone() for t in (v_leaf, qg, nwg)]  # timing below accumulates in .grad
                 if grads_row is None:
                     grads_row, gerr = grads, 0.0
@@ -177,8 +201,8 @@ def _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident,
             for i, (variant, cfg, form, kw, label, err, gerr) in enumerate(checked):
                 _apply_settings(variant, form)
                 with torch.no_grad():
-                    f_ms = bench(lambda: attn_res_triton(stacked, q, nw, 1e-5, **kw))
-                fb_ms = bench(lambda: attn_res_triton(v_leaf, qg, nwg, 1e-5, **kw).backward(dout),
+                    f_ms = bench(lambda: _call(variant, stacked, q, nw, kw))
+                fb_ms = bench(lambda: _call(variant, v_leaf, qg, nwg, kw).backward(dout),
                               grad_to_none=[v_leaf, qg, nwg])
                 times[i].append((f_ms, fb_ms))
         for (variant, cfg, form, kw, label, err, gerr), ts in zip(checked, times):
@@ -191,7 +215,7 @@ def _compare_variants(T, d, device, max_configs, pass2, per_sm, tiled, resident,
                                              f"{' / '.join(f'{t[1]:.3f}' for t in ts)})")
             print(f"{label}: rel err {err:.1e}, grad rel err vs row {gerr:.1e}{ok}, fwd {f_ms:.3f} ms "
                   f"({f_bw:.2f} TB/s), fwd+bwd {fb_ms:.3f} ms ({fb_bw:.2f} TB/s){passes}", flush=True)
-            if variant != "row" and not ok:
+            if variant not in ("row", "fla") and not ok:
                 for key, ms in (("fwd", f_ms), ("fwd+bwd", fb_ms)):
                     if (N, key) not in best or ms < best[N, key][0]:
                         best[N, key] = (ms, cfg, form, variant)
@@ -236,9 +260,13 @@ def main():
     ap.add_argument("--cooperative", default="",
                     help="--variants: cooperative configs 'num_warps:block_d:programs_per_sm,...' (num_warps 0: each "
                          "kernel's default)")
+    ap.add_argument("--stream", default="",
+                    help="--variants: stream configs 'num_warps:stages:programs_per_sm,...' (num_warps 0: the default)")
     ap.add_argument("--ns", default="3,6,9", help="--variants: candidate counts, comma-separated (1..16)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="--variants: time every run this many times, round-robin, and report the median")
+    ap.add_argument("--ours-variant", default=None, choices=triton_attnres.VARIANTS + ("auto",),
+                    help="the main table's 'ours' rows with this design instead of DEFAULT_VARIANT")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="--variants only; cpu needs TRITON_INTERPRET=1 (a smoke run, timings meaningless)")
     args = ap.parse_args()
@@ -265,25 +293,28 @@ def main():
             tiled = None if args.tiled_configs is None else tuples(args.tiled_configs, 3)
             resident = [(w, bool(pf), k, st) for w, pf, k, st in tuples(args.resident, 4)]
             coop = [(w or None, bd, k) for w, bd, k in tuples(args.cooperative, 3)]
+            stream = [(w or None, st, k) for w, st, k in tuples(args.stream, 3)]
             ns = tuple(int(x) for x in args.ns.split(",") if x.strip())
         except ValueError:
             ap.error("--tiled-configs takes block_t:block_d:num_warps, --resident num_warps:prefetch:per_sm:stages, "
-                     "--cooperative num_warps:block_d:per_sm and --ns ints, comma-separated")
+                     "--cooperative num_warps:block_d:per_sm, --stream num_warps:stages:per_sm and --ns ints, "
+                     "comma-separated")
         if not ns or any(not 1 <= n <= 16 for n in ns):
             ap.error(f"--ns takes candidate counts 1..16, got {args.ns!r}")
         if args.rounds < 1:
             ap.error("--rounds must be >= 1")
-        compare_variants(T, d, args.device, args.max_configs, forms, per_sm, tiled, resident, coop, args.rounds, ns)
+        compare_variants(T, d, args.device, args.max_configs, forms, per_sm, tiled, resident, coop, args.rounds, ns,
+                         stream)
         return
     if args.device != "cuda":
         ap.error("--device cpu is supported with --variants only")
+    if args.ours_variant is not None:
+        triton_attnres.DEFAULT_VARIANT = args.ours_variant
     if args.sweep:
         sweep_warps(T, d)
-    try:
-        from fla.ops.attnres import fused_attnres
-    except Exception as exc:  # fla absent: report ours and torch only
-        print(f"fla unavailable: {exc}")
-        fused_attnres = None
+    fused_attnres = _fla_attnres()
+    if fused_attnres is None:
+        print("fla unavailable: ours and torch only")
     rows = []
     for N in (3, 6, 9):
         g = torch.Generator(device="cuda").manual_seed(N)

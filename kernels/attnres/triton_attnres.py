@@ -13,7 +13,7 @@ Backward (one read of every candidate row, `out` and `dout`; `sum_j alpha_j dalp
     dv_i = alpha_i dout + dlogit_i (r_i w - p_i r_i^3 v_i / d)
     dw = sum_{t, i} dlogit_i r_i v_i   (partial sums per program of 16 tokens, summed by torch)
 
-Four designs of the same maths, chosen with `attn_res_triton(..., variant=)` (default `DEFAULT_VARIANT`):
+Five designs of the same maths, chosen with `attn_res_triton(..., variant=)` (default `DEFAULT_VARIANT`):
 
 * "row" (`_attnres_fwd` / `_attnres_bwd`): one program per token, the whole d-row of ONE candidate in registers,
   an online softmax over the candidates. Every byte is read once, but candidate i + 1's load can only overlap
@@ -61,6 +61,12 @@ Four designs of the same maths, chosen with `attn_res_triton(..., variant=)` (de
   needs the whole grid resident at once, so the grid is sized from the compiled kernel's registers and shared
   memory. The interpreter runs programs one after another, so there the kernel runs as two launches (publish,
   then mix), the same code without the wait.
+* "stream" (`_attnres_fwd_stream`, forward only): the row design's online softmax on a persistent grid whose one
+  loop runs over (token, candidate) pairs, so Triton's software pipeline keeps the next rows in flight (copied to
+  shared memory) across token boundaries, where a loop per token drains it every N rows; no exchange between
+  programs, no second sweep. Its forward saves alpha_i, r_i and p_i as the resident and cooperative forwards do, and
+  its backward is theirs (the one "auto" picks: a backward needs <dout, out> before any dv_i, so all of a token's
+  candidates at once).
 * The resident and cooperative kernels widen bf16 to fp32 twice (statistics, then mix) rather than keep an fp32
   copy of the tile: one fewer tile-sized set of registers (the N = 6 resident forward spilled 104 bytes a thread
   before, none now: 0.357 -> 0.291 ms on the H100).
@@ -78,7 +84,7 @@ import triton.language as tl
 
 __all__ = ["attn_res_triton", "DEFAULT_VARIANT", "VARIANTS", "TILED_PASS2", "TILED_PROGRAMS_PER_SM"]
 
-VARIANTS = ("row", "tiled", "resident", "cooperative")
+VARIANTS = ("row", "tiled", "resident", "cooperative", "stream")
 # Design used when `attn_res_triton` is called without `variant=` (as `k3_kernels.dispatch` does). "auto" = the
 # faster one as measured (T = 8K, d = 7168, bf16; BENCHMARKS.md, sixteenth session), the same rule for the forward
 # and for forward + backward: "resident" up to RESIDENT_MAX_N candidates (H100, N = 6: forward 0.291 ms against the
@@ -122,6 +128,11 @@ _RESIDENT_PREFETCH_ROWS = 3
 COOP_PROGRAMS_PER_SM = 16
 COOP_BLOCK_D = 1024
 _COOP_VALUES_PER_THREAD = {False: 288, True: 144}  # forward, backward
+# "stream" (forward only; its backward is the one "auto" picks without it): programs an SM of its persistent grid
+# and the software-pipeline stages of its row loop (each stage one next_pow2(d) row in shared memory: 16 KB at
+# K3's d in bf16). `benchmarks/attnres.py --variants --stream ...` sweeps them.
+STREAM_PROGRAMS_PER_SM = 2
+STREAM_STAGES = 4
 _MAX_TILE = 1 << 16  # elements of one [BLOCK_T, NP, BLOCK_D] tile: beyond this the registers spill hopelessly
 
 
@@ -194,6 +205,59 @@ def _attnres_bwd(
                 tl.store(DV + (i * T + row) * D + offs, dv.to(DV.dtype.element_ty), mask=dmask)
                 dw += (dlogit * r) * v
     tl.store(DW + pid.to(tl.int64) * D + offs, dw, mask=dmask)
+
+
+@triton.jit
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def _attnres_fwd_stream(
+    V, W, O, ALPHA, RS, PS, T, D, eps, TPP, N: tl.constexpr, NP: tl.constexpr, SAVE_STATS: tl.constexpr,
+    BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
+):
+    # The row design's online softmax over whole candidate rows, on a persistent grid whose one loop runs over
+    # (token, candidate) pairs: program p takes tokens [p TPP, (p + 1) TPP), and Triton's software pipeline keeps
+    # the next STAGES - 1 rows in flight (copied to shared memory) across token boundaries too, where a loop per
+    # token would drain the pipeline N rows at a time. A token's softmax state starts over at its first candidate
+    # (the previous token's running max becomes -inf, so its sums scale by exp(-inf) = 0) and its output,
+    # alpha_i (from the logits kept in a [NP] vector) and r_i, p_i are written at its last, by masked stores
+    # rather than a branch. Both row sums come from one two-operand reduction: one trip through shared memory.
+    t_lo = tl.program_id(0) * TPP
+    offs = tl.arange(0, BLOCK_D)
+    dmask = offs < D
+    w = tl.load(W + offs, mask=dmask, other=0.0)  # [BLOCK_D] fp32
+    idx = tl.arange(0, NP)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    m = tl.full([], float("-inf"), tl.float32)
+    den = tl.zeros([], dtype=tl.float32)
+    lg = tl.full([NP], float("-inf"), tl.float32)  # this token's logits so far
+    for it in tl.range(0, (tl.minimum(T, t_lo + TPP) - t_lo) * N, num_stages=STAGES):
+        j = it // N
+        i = it - j * N  # candidate
+        t = t_lo + j  # token
+        v = _widen(tl.load(V + (i.to(tl.int64) * T + t) * D + offs, mask=dmask, other=0.0))
+        ss, p = tl.reduce((v * v, v * w), 0, _add2)
+        r = 1.0 / tl.sqrt(ss / D + eps)
+        logit = r * p
+        if SAVE_STATS:
+            tl.store(RS + i * T + t, r)
+            tl.store(PS + i * T + t, p)
+        if (logit > m) | (i == 0):
+            # A new running max (or a new token: its sums start from zero, whatever the previous token left, NaN
+            # included): rescale what is summed so far. Block-uniform, and skipped whenever the max stands, which
+            # saves a multiply an element (the loop is near the issue rate at N = 9 on the H200).
+            acc = tl.where(i == 0, 0.0, acc * tl.exp(m - logit))
+            den = tl.where(i == 0, 0.0, den * tl.exp(m - logit))
+            m = logit
+        e = tl.exp(logit - m)
+        acc += e * v
+        den += e
+        lg = tl.where(idx == i, logit, tl.where(i == 0, float("-inf"), lg))
+        if i == N - 1:
+            tl.store(O + t.to(tl.int64) * D + offs, (acc * (1.0 / den)).to(O.dtype.element_ty), mask=dmask)
+            tl.store(ALPHA + idx * T + t, tl.exp(lg - m) / den, mask=idx < N)
 
 
 @triton.jit
@@ -750,6 +814,11 @@ def _resident_fits(N: int, D: int) -> bool:
     return sum(_resident_rows(N)) * max(16, triton.next_power_of_2(D)) <= _MAX_TILE
 
 
+def _auto_variant(N: int, D: int) -> str:
+    """The design "auto" takes without slice sizes (the measured rule, see `DEFAULT_VARIANT`)."""
+    return "resident" if N <= RESIDENT_MAX_N and _resident_fits(N, D) else "cooperative"
+
+
 def _resident_cfg(N: int, D: int, num_warps):
     """(NA, NB, BLOCK_D, num_warps) of the resident kernels: one token's rows as two power-of-two groups."""
     NA, NB = _resident_rows(N)
@@ -849,7 +918,8 @@ def _resident_launch(N: int, D: int, num_warps, prefetch, stages, extra_rows: in
 class _AttnResFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, v, query_weight, norm_weight, eps, cfg):
-        variant, block_t, block_d, num_warps, split, per_sm, chunk, res_per_sm, prefetch, stages, coop_per_sm = cfg
+        (variant, block_t, block_d, num_warps, split, per_sm, chunk, res_per_sm, prefetch, stages, coop_per_sm,
+         stream_per_sm, stream_stages) = cfg
         N, D = v.shape[0], v.shape[-1]
         lead = v.shape[1:-1]
         v3 = v.reshape(N, -1, D).contiguous()  # [N, T, D], T = all leading token dims
@@ -859,7 +929,7 @@ class _AttnResFunction(torch.autograd.Function):
         alpha = torch.empty((N, T), device=v.device, dtype=torch.float32)
         grad = any(ctx.needs_input_grad[:3])
         ctx.lead, ctx.eps, ctx.cfg = lead, eps, cfg
-        if variant in ("tiled", "resident", "cooperative"):
+        if variant in ("tiled", "resident", "cooperative", "stream"):
             # r_i and p_i per (candidate, token): backward then needs only <dout, v_i> from its first sweep.
             rs = torch.empty((N, T), device=v.device, dtype=torch.float32) if grad else alpha
             ps = torch.empty((N, T), device=v.device, dtype=torch.float32) if grad else alpha
@@ -871,6 +941,13 @@ class _AttnResFunction(torch.autograd.Function):
                           BLOCK_D=BLOCK_D, num_warps=warps)
                 G = _coop_groups(_attnres_fwd_coop, args, kw, coop_per_sm, v.device)
                 _coop_run(_attnres_fwd_coop, G, args, v.device, **kw)
+            elif T > 0 and variant == "stream":
+                BLOCK_D, warps = _launch_cfg(D, num_warps)
+                tpp = triton.cdiv(T, stream_per_sm * _sm_count(v.device))  # tokens a program
+                _attnres_fwd_stream[(triton.cdiv(T, tpp),)](
+                    v3, w, out, alpha, rs, ps, T, D, eps, tpp, N=N, NP=triton.next_power_of_2(N), SAVE_STATS=grad,
+                    BLOCK_D=BLOCK_D, STAGES=stream_stages, num_warps=warps, num_stages=stream_stages,
+                )
             elif T > 0 and variant == "resident":
                 NA, NB, BLOCK_D, warps, prefetch, st = _resident_launch(N, D, num_warps, prefetch, stages, 0,
                                                                         v3.element_size())
@@ -899,12 +976,15 @@ class _AttnResFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        variant, block_t, block_d, num_warps, split, per_sm, chunk, res_per_sm, prefetch, stages, coop_per_sm = ctx.cfg
-        if variant in ("tiled", "resident", "cooperative"):
+        variant, block_t, block_d, num_warps, split, per_sm, chunk, res_per_sm, prefetch, stages, coop_per_sm, *_ = (
+            ctx.cfg)
+        if variant in ("tiled", "resident", "cooperative", "stream"):
             v3, w, alpha, rs, ps, query_weight, norm_weight = ctx.saved_tensors
         else:
             v3, w, out, alpha, query_weight, norm_weight = ctx.saved_tensors
         N, T, D = v3.shape
+        if variant == "stream":  # the forward saved what the resident and cooperative backwards read
+            variant, num_warps = _auto_variant(N, D), None
         do = dout.reshape(T, D).contiguous()
         dv = torch.empty_like(v3)
         if variant == "cooperative":
@@ -967,8 +1047,8 @@ def attn_res_triton(
 ):
     """Drop-in for `reference.attn_res` on CUDA (or under `TRITON_INTERPRET=1`): list or stacked `[N, ..., d]`.
 
-    `variant`: "row", "tiled", "resident", "cooperative" (see the module docstring) or "auto" (the faster for this
-    call as measured, see `DEFAULT_VARIANT`; "tiled" when `block_t` or `block_d` is given), None =
+    `variant`: "row", "tiled", "resident", "cooperative", "stream" (see the module docstring) or "auto" (the
+    faster for this call as measured, see `DEFAULT_VARIANT`; "tiled" when `block_t` or `block_d` is given), None =
     `DEFAULT_VARIANT`. `block_t` (tokens per program, 1..16, "tiled" only) and `block_d` (d-slice width, 16..16384,
     "tiled" and "cooperative"), powers of two; `num_warps` (power of two, 1..32) to all. None picks the defaults.
     """
@@ -992,12 +1072,9 @@ def attn_res_triton(
     if not 1 <= v.shape[0] <= 16:
         raise ValueError(f"attn_res_triton supports 1 to at most 16 depth candidates, got {v.shape[0]}")
     if variant == "auto":
-        N = v.shape[0]
-        if block_t is not None or block_d is not None:
-            variant = "tiled"  # slice sizes asked for
-        else:
-            variant = "resident" if N <= RESIDENT_MAX_N and _resident_fits(N, d) else "cooperative"
-    if variant in ("row", "resident") and (block_t is not None or block_d is not None):
+        # slice sizes asked for: "tiled"
+        variant = "tiled" if block_t is not None or block_d is not None else _auto_variant(v.shape[0], d)
+    if variant in ("row", "resident", "stream") and (block_t is not None or block_d is not None):
         raise ValueError(f"block_t and block_d apply only to variant='tiled' (the {variant} design keeps whole rows)")
     if variant == "cooperative" and block_t is not None:
         raise ValueError("block_t applies only to variant='tiled' (the cooperative design takes one token at a time)")
@@ -1008,7 +1085,9 @@ def attn_res_triton(
     res_per_sm = RESIDENT_PROGRAMS_PER_SM
     for name, value, none_ok in (("RESIDENT_PROGRAMS_PER_SM", res_per_sm, False),
                                  ("RESIDENT_STAGES", RESIDENT_STAGES, True),
-                                 ("COOP_PROGRAMS_PER_SM", COOP_PROGRAMS_PER_SM, False)):
+                                 ("COOP_PROGRAMS_PER_SM", COOP_PROGRAMS_PER_SM, False),
+                                 ("STREAM_PROGRAMS_PER_SM", STREAM_PROGRAMS_PER_SM, False),
+                                 ("STREAM_STAGES", STREAM_STAGES, False)):
         if not ((none_ok and value is None) or (isinstance(value, int) and not isinstance(value, bool) and value > 0)):
             raise ValueError(f"{name} must be a positive int{' or None' if none_ok else ''}, got {value!r}")
     if TILED_PASS2 not in ("split", "tile"):
@@ -1017,10 +1096,11 @@ def attn_res_triton(
     if per_sm is not None and not (isinstance(per_sm, int) and not isinstance(per_sm, bool) and per_sm > 0):
         raise ValueError(f"TILED_PROGRAMS_PER_SM must be None or a positive int, got {per_sm!r}")
     # The module settings are read once here, so the backward runs the forward's configuration.
-    if variant == "cooperative":
+    if variant in ("cooperative", "stream"):  # the stream design's backward may be the cooperative one
         block_d = COOP_BLOCK_D if block_d is None else block_d
         _check_pow2("COOP_BLOCK_D", block_d, 16, 16384)
+    if variant == "cooperative":
         _coop_cfg(v.shape[0], d, block_d, num_warps)
     cfg = (variant, block_t, block_d, num_warps, TILED_PASS2 == "split", per_sm, _TILED_CHUNK, res_per_sm,
-           RESIDENT_PREFETCH, RESIDENT_STAGES, COOP_PROGRAMS_PER_SM)
+           RESIDENT_PREFETCH, RESIDENT_STAGES, COOP_PROGRAMS_PER_SM, STREAM_PROGRAMS_PER_SM, STREAM_STAGES)
     return _AttnResFunction.apply(v, query_weight, norm_weight, float(eps), cfg)

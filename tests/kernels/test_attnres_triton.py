@@ -96,6 +96,60 @@ def test_cooperative_matches_reference_forward_backward(N, lead, d, block_d, dty
                              num_warps=None if d < 100 else 2)
 
 
+# The stream design's forward (its backward is the one "auto" picks: resident up to 6 candidates, cooperative above):
+# one loop over (token, candidate) pairs on a persistent grid, so programs of several tokens each (the interpreter
+# counts 2 SMs: 1 or 8 programs an SM) and programs with none (T = 1 over 2 or 16 programs), the softmax state
+# starting over at every token, the pipelined loop (stages > 1; compiled on the GPU as shared-memory copies), N
+# padded and not, d not a power of two.
+@pytest.mark.parametrize("per_sm,stages", [(1, 1), (1, 3), (8, 2)])
+@pytest.mark.parametrize("N,lead,d", [(1, (5,), 16), (3, (1,), 48), (2, (3, 7), 100), (5, (13,), 200),
+                                      (7, (6,), 40), (9, (2, 9), 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stream_matches_reference_forward_backward(N, lead, d, dtype, per_sm, stages, monkeypatch):
+    monkeypatch.setattr(triton_attnres, "STREAM_PROGRAMS_PER_SM", per_sm)
+    monkeypatch.setattr(triton_attnres, "STREAM_STAGES", stages)
+    _check_against_reference(N, lead, d, dtype, variant="stream", num_warps=None if d < 100 else 2)
+
+
+def test_stream_nan_stays_in_its_token(monkeypatch):
+    # A program carries its softmax sums from token to token: a NaN candidate row must poison its own token only.
+    monkeypatch.setattr(triton_attnres, "STREAM_PROGRAMS_PER_SM", 1)  # 2 programs of 3 tokens (interpreter)
+    cands, q, nw = _inputs(4, (6,), 32, torch.float32, seed=13)
+    v = torch.stack([c.detach() for c in cands])
+    v[2, 0, 5] = float("nan")  # token 0, the first of its program
+    out = attn_res_triton(v, q.detach(), nw.detach(), variant="stream")
+    ref = attn_res(list(v), q.detach(), nw.detach())
+    assert torch.isnan(out[0]).all()
+    assert rel_err(out[1:], ref[1:]) <= 1e-5
+
+
+def test_stream_backward_is_the_auto_one(monkeypatch):
+    # The stream forward saves alpha, r and p as the resident and cooperative forwards do; its backward is theirs.
+    seen = []
+    for name in ("_attnres_bwd_resident", "_attnres_bwd_coop"):
+        kernel = getattr(triton_attnres, name)
+        monkeypatch.setattr(triton_attnres, name, _Spy(kernel, name, seen))
+    monkeypatch.setattr(triton_attnres, "_coop_run", lambda k, g, *a, **kw: seen.append(k.name))
+    for N in (3, 9):
+        v = torch.randn(N, 4, 32, device=DEVICE, requires_grad=True)
+        w = torch.ones(32, device=DEVICE)
+        attn_res_triton(v, w, w, variant="stream").sum().backward()
+    assert seen == ["_attnres_bwd_resident", "_attnres_bwd_coop"]
+
+
+class _Spy:
+    """Stands in for a Triton kernel: records its name at launch (`kernel[grid](...)`) and launches nothing."""
+
+    def __init__(self, kernel, name, seen):
+        self.kernel, self.name, self.seen = kernel, name, seen
+
+    def __getitem__(self, grid):
+        return lambda *a, **kw: self.seen.append(self.name)
+
+    def warmup(self, *a, **kw):
+        return self.kernel.warmup(*a, **kw)
+
+
 def test_cooperative_grid_is_groups_of_slices(monkeypatch):
     # programs = groups x slices, a program's slice is pid % S: with 2 "SMs" and 8 programs an SM, d = 100 in
     # slices of 32 gives S = 4 and 4 groups (16 programs), fewer groups than tokens
@@ -165,7 +219,8 @@ def _check_against_reference(N, lead, d, dtype, **kwargs):
 
 
 @pytest.mark.parametrize("variant,block_t,block_d", [("row", None, None), ("tiled", None, None), ("tiled", 2, 32),
-                                                     ("resident", None, None), ("cooperative", None, 16)])
+                                                     ("resident", None, None), ("cooperative", None, 16),
+                                                     ("stream", None, None)])
 def test_matches_fla_naive_attnres(variant, block_t, block_d):
     fla_naive = pytest.importorskip("fla.ops.attnres.naive").naive_attnres
     cands, q, nw = _inputs(4, (6,), 48, torch.float32, seed=7)
@@ -224,7 +279,7 @@ def test_default_variant_switch(monkeypatch):
         attn_res_triton(*args, block_t=2)
 
 
-@pytest.mark.parametrize("variant", ["row", "tiled", "resident", "cooperative"])
+@pytest.mark.parametrize("variant", ["row", "tiled", "resident", "cooperative", "stream"])
 def test_stacked_input_and_errors(variant):
     cands, q, nw = _inputs(3, (4,), 32, torch.float32, seed=3)
     stacked = torch.stack([c.detach() for c in cands])
@@ -247,6 +302,8 @@ def test_stacked_input_and_errors(variant):
         (dict(variant="resident", num_warps=48), "num_warps"),
         (dict(variant="cooperative", block_t=2), "block_t applies only"),
         (dict(variant="cooperative", block_d=24), "block_d"),
+        (dict(variant="stream", block_d=64), "block_t and block_d"),
+        (dict(variant="stream", num_warps=3), "num_warps"),
         (dict(variant="tiled", block_t=3), "block_t"),
         (dict(variant="tiled", block_t=0), "block_t"),
         (dict(variant="tiled", block_t=32), "block_t"),
@@ -294,7 +351,8 @@ def test_cooperative_default_warps():
 @pytest.mark.parametrize("name,value", [("TILED_PASS2", "both"), ("TILED_PROGRAMS_PER_SM", 0),
                                         ("TILED_PROGRAMS_PER_SM", 1.5), ("RESIDENT_PROGRAMS_PER_SM", 0),
                                         ("RESIDENT_PROGRAMS_PER_SM", None), ("RESIDENT_STAGES", 0),
-                                        ("COOP_PROGRAMS_PER_SM", 0)])
+                                        ("COOP_PROGRAMS_PER_SM", 0), ("STREAM_PROGRAMS_PER_SM", 0),
+                                        ("STREAM_STAGES", None)])
 def test_bad_module_settings(monkeypatch, name, value):
     cands, q, nw = _inputs(2, (3,), 16, torch.float32, seed=9)
     monkeypatch.setattr(triton_attnres, name, value)
