@@ -246,7 +246,7 @@ def _attnres_cases():
         v = torch.zeros(4, 3, 7168, dtype=dtype, requires_grad=True)
         q = torch.zeros(1, 7168, requires_grad=True)
         nw = torch.ones(7168, requires_grad=True)
-        for variant in ("row", "tiled", "resident", "cooperative"):
+        for variant in ("row", "tiled", "resident", "cooperative", "stream"):
             yield f"attnres {variant} {dtype}", lambda: attn_res_triton(v, q, nw, variant=variant).float().sum().backward()
 
 

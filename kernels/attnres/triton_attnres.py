@@ -65,8 +65,9 @@ Five designs of the same maths, chosen with `attn_res_triton(..., variant=)` (de
   loop runs over (token, candidate) pairs, so Triton's software pipeline keeps the next rows in flight (copied to
   shared memory) across token boundaries, where a loop per token drains it every N rows; no exchange between
   programs, no second sweep. Its forward saves alpha_i, r_i and p_i as the resident and cooperative forwards do, and
-  its backward is theirs (the one "auto" picks: a backward needs <dout, out> before any dv_i, so all of a token's
-  candidates at once).
+  its backward is theirs (`_backward_variant`: a backward needs <dout, out> before any dv_i, so all of a token's
+  candidates at once). "auto" takes it above RESIDENT_MAX_N candidates: 93 % of the copy bandwidth at N = 9 on the
+  H100, against the cooperative forward's 85 % and fla's 90 %.
 * The resident and cooperative kernels widen bf16 to fp32 twice (statistics, then mix) rather than keep an fp32
   copy of the tile: one fewer tile-sized set of registers (the N = 6 resident forward spilled 104 bytes a thread
   before, none now: 0.357 -> 0.291 ms on the H100).
@@ -86,11 +87,12 @@ __all__ = ["attn_res_triton", "DEFAULT_VARIANT", "VARIANTS", "TILED_PASS2", "TIL
 
 VARIANTS = ("row", "tiled", "resident", "cooperative", "stream")
 # Design used when `attn_res_triton` is called without `variant=` (as `k3_kernels.dispatch` does). "auto" = the
-# faster one as measured (T = 8K, d = 7168, bf16; BENCHMARKS.md, sixteenth session), the same rule for the forward
-# and for forward + backward: "resident" up to RESIDENT_MAX_N candidates (H100, N = 6: forward 0.291 ms against the
-# tiled 0.373, forward + backward 0.943 against 1.234; H200 forward 0.235 ms), "cooperative" above (H200, N = 9:
-# forward 0.376 ms against the tiled 0.481, forward + backward 1.147 against the row design's 1.734; N = 7: 0.328
-# against 0.402, 0.962 against 1.314). "tiled" when block_t or block_d is given.
+# faster one as measured (T = 8K, d = 7168, bf16; BENCHMARKS.md): "resident" up to RESIDENT_MAX_N candidates,
+# forward and backward (H100, N = 6: forward 0.291 ms against the tiled 0.373 and the stream 0.296, forward +
+# backward 0.943 against 1.234; H200 forward 0.235 ms; sixteenth and thirty-third sessions); above, the "stream"
+# forward and the "cooperative" backward (H100, thirty-third session, same run: N = 9 forward 0.418 ms against the
+# cooperative 0.458 and fla's 0.433; N = 7 0.337 against 0.381 and 0.350; the cooperative backward beat the row
+# and tiled ones, sixteenth session). "tiled" when block_t or block_d is given.
 DEFAULT_VARIANT = "auto"
 RESIDENT_MAX_N = 6
 # "tiled" tokens per program when block_t is not given (block_t = 2 was slower at every N measured).
@@ -128,10 +130,12 @@ _RESIDENT_PREFETCH_ROWS = 3
 COOP_PROGRAMS_PER_SM = 16
 COOP_BLOCK_D = 1024
 _COOP_VALUES_PER_THREAD = {False: 288, True: 144}  # forward, backward
-# "stream" (forward only; its backward is the one "auto" picks without it): programs an SM of its persistent grid
+# "stream" (forward only; its backward is `_backward_variant`'s): programs an SM of its persistent grid
 # and the software-pipeline stages of its row loop (each stage one next_pow2(d) row in shared memory: 16 KB at
 # K3's d in bf16). `benchmarks/attnres.py --variants --stream ...` sweeps them.
-STREAM_PROGRAMS_PER_SM = 2
+# Measured on the H100 (thirty-third session, N = 9): 8 warps, 4 stages, 4 programs an SM 0.418 ms; 2 an SM 0.421
+# (3 stages the same, 6 stages 0.430); 4 warps 0.419; 16 warps, 1 an SM 0.468.
+STREAM_PROGRAMS_PER_SM = 4
 STREAM_STAGES = 4
 _MAX_TILE = 1 << 16  # elements of one [BLOCK_T, NP, BLOCK_D] tile: beyond this the registers spill hopelessly
 
@@ -220,10 +224,9 @@ def _attnres_fwd_stream(
     # The row design's online softmax over whole candidate rows, on a persistent grid whose one loop runs over
     # (token, candidate) pairs: program p takes tokens [p TPP, (p + 1) TPP), and Triton's software pipeline keeps
     # the next STAGES - 1 rows in flight (copied to shared memory) across token boundaries too, where a loop per
-    # token would drain the pipeline N rows at a time. A token's softmax state starts over at its first candidate
-    # (the previous token's running max becomes -inf, so its sums scale by exp(-inf) = 0) and its output,
-    # alpha_i (from the logits kept in a [NP] vector) and r_i, p_i are written at its last, by masked stores
-    # rather than a branch. Both row sums come from one two-operand reduction: one trip through shared memory.
+    # token would drain the pipeline N rows at a time. A token's softmax state starts over at its first candidate,
+    # and its output and alpha_i (from the logits kept in a [NP] vector) are written at its last (r_i, p_i at
+    # each). Both row sums come from one two-operand reduction: one trip through shared memory.
     t_lo = tl.program_id(0) * TPP
     offs = tl.arange(0, BLOCK_D)
     dmask = offs < D
@@ -247,7 +250,8 @@ def _attnres_fwd_stream(
         if (logit > m) | (i == 0):
             # A new running max (or a new token: its sums start from zero, whatever the previous token left, NaN
             # included): rescale what is summed so far. Block-uniform, and skipped whenever the max stands, which
-            # saves a multiply an element (the loop is near the issue rate at N = 9 on the H200).
+            # saves a multiply an element of the ~10 instructions an element the loop issues (at the H200's rate
+            # the issue slots are about two thirds of a row's time budget: BENCHMARKS.md, thirty-third session).
             acc = tl.where(i == 0, 0.0, acc * tl.exp(m - logit))
             den = tl.where(i == 0, 0.0, den * tl.exp(m - logit))
             m = logit
@@ -814,9 +818,16 @@ def _resident_fits(N: int, D: int) -> bool:
     return sum(_resident_rows(N)) * max(16, triton.next_power_of_2(D)) <= _MAX_TILE
 
 
-def _auto_variant(N: int, D: int) -> str:
-    """The design "auto" takes without slice sizes (the measured rule, see `DEFAULT_VARIANT`)."""
+def _backward_variant(N: int, D: int) -> str:
+    """The backward design of "auto" and "stream" (the measured rule, see `DEFAULT_VARIANT`)."""
     return "resident" if N <= RESIDENT_MAX_N and _resident_fits(N, D) else "cooperative"
+
+
+def _auto_variant(N: int, D: int) -> str:
+    """The design "auto" takes without slice sizes: the backward's where it is "resident", else the stream forward
+    where its whole row fits a program (`_launch_cfg`), else "cooperative" (any d, in slices)."""
+    backward = _backward_variant(N, D)
+    return "stream" if backward == "cooperative" and triton.next_power_of_2(D) <= 16384 else backward
 
 
 def _resident_cfg(N: int, D: int, num_warps):
@@ -984,7 +995,7 @@ class _AttnResFunction(torch.autograd.Function):
             v3, w, out, alpha, query_weight, norm_weight = ctx.saved_tensors
         N, T, D = v3.shape
         if variant == "stream":  # the forward saved what the resident and cooperative backwards read
-            variant, num_warps = _auto_variant(N, D), None
+            variant, num_warps = _backward_variant(N, D), None
         do = dout.reshape(T, D).contiguous()
         dv = torch.empty_like(v3)
         if variant == "cooperative":
