@@ -1061,7 +1061,8 @@ def attn_res_triton(
     `variant`: "row", "tiled", "resident", "cooperative", "stream" (see the module docstring) or "auto" (the
     faster for this call as measured, see `DEFAULT_VARIANT`; "tiled" when `block_t` or `block_d` is given), None =
     `DEFAULT_VARIANT`. `block_t` (tokens per program, 1..16, "tiled" only) and `block_d` (d-slice width, 16..16384,
-    "tiled" and "cooperative"), powers of two; `num_warps` (power of two, 1..32) to all. None picks the defaults.
+    "tiled" and "cooperative"), powers of two; `num_warps` (power of two, 1..32) to all (for "stream", to its
+    forward: its backward is the resident or cooperative one at that design's default). None picks the defaults.
     """
     variant = DEFAULT_VARIANT if variant is None else variant
     if variant not in VARIANTS + ("auto",):
