@@ -53,9 +53,14 @@ u = u0 - w S, o = qg S + Aqk u, S <- e^{G_last} S + kd^T u. Chunks never cross a
 (per-sequence chunk indices, the last chunk of a sequence partial and masked). Precision of the buffers and
 dots: see ``_chunk64_fwd``.
 
-Stored states + parallel output (``output="stored"``, the default, both chunk sizes; fla's chunk_kda layout;
-2.65 ms at T = 8K with bf16 h against 3.06 for "fused", but it keeps every 64-chunk's state while the call runs:
-6.4 GB in bf16 at 128K, H = 96; ``benchmarks/kda_chunk.py --stored``): the fused loop above still
+The fused loop above (``output="fused"``) is the 64-token default since the thirty-fourth session: on one 8-warp
+program per (sequence, head) for V = 128 (``_state64_launch``) it takes no longer than the loop of "stored" below,
+which has to write h and v_new, so the output kernel's time is saved whole (H100, T = 8K, same run: forward 1.85
+against 2.24 ms; 7.40 against 8.97 at 32K; outputs bit-identical).
+
+Stored states + parallel output (``output="stored"``, the 16-token default; fla's chunk_kda layout; it keeps
+every chunk's state while the call runs: 6.4 GB in bf16 at 128K, H = 96, in 64-token chunks;
+``benchmarks/kda_chunk.py --stored``): the fused loop above
 carries four dependent products per chunk. With "stored" the sequential kernel (the 64-token state kernel,
 also run with BT = 16) only does u = u0 - w S (written to v_new, fp32) and S <- e^{G_last} S + kd^T u, and
 stores the state at the START of every chunk into h [chunks, H, K, V] (``h_dtype``: bf16 for bf16 inputs);
@@ -851,25 +856,29 @@ def chunk_kda_fwd(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=-5.0,
     use_beta_sigmoid_in_kernel=False, out=None, block_v=None, num_warps=None, split=True, chunk_size=64,
-    num_stages=None, prep_num_warps=None, state_dot="bf16", lowp_buffers=True, output="stored", h_dtype=None,
+    num_stages=None, prep_num_warps=None, state_dot="bf16", lowp_buffers=True, output=None, h_dtype=None,
     out_block_v=None, out_num_warps=None, out_num_stages=None, keep_for_backward=False,
 ):
     """Forward only (no autograd). ``out`` (optional, [B, T, H, V], v.dtype) receives the output.
 
     ``keep_for_backward``: also return what the 64-token backward would otherwise recompute, ``(o, ht, kept)``,
-    for ``triton_chunk_bwd.chunk_kda_bwd(kept=...)``; only with the default launches (the same o).
+    for ``triton_chunk_bwd.chunk_kda_bwd(kept=...)``; only with the default launches. The kept buffers come from
+    the "stored" kernels, whose o equals the fused loop's up to summation order (bit-identical in the H100 runs).
 
-    ``output="stored"`` (default; fla's chunk_kda layout, both chunk sizes): prep as below, then the sequential
+    ``output``: None (the default) is "fused" at 64-token chunks and "stored" at 16.
+    ``output="stored"`` (fla's chunk_kda layout, both chunk sizes): prep as below, then the sequential
     kernel only computes u = u0 - w S ("v_new", fp32 [B, T, H, V]; q.dtype with ``lowp_buffers``) and stores
     the state at the start of every chunk into h [chunks, H, K, V] (``h_dtype``: default bf16 for bf16 inputs,
     as fla, fp32 otherwise), then a fully parallel kernel over (chunk, head, V-block) computes
     o = qg h + Aqk u (see ``_stored_fwd``). h costs chunks * H * K * V * 2 bytes (bf16) while the call runs:
     6.4 GB at T = 128K, H = 96, K = V = 128 (at block_v >= 64 the 64-token path keeps no u0 buffer: its state
     kernel forms u0 from the prep's X diag(beta) scratch and v).
-    ``output="fused"``: the sequential kernel computes o itself and no h is kept (for the longest single-call
-    prefills when memory is short; 15 % slower at T = 8K).
+    ``output="fused"``: the sequential kernel computes o itself and no h is kept. At 64-token chunks, with its
+    default launch (block_v 128, 8 warps), it is the faster of the two: H100, T = 8K, same run, 1.85 against 2.24
+    ms for "stored", 7.40 against 8.97 at 32K, 7.61 against 9.27 on an 8-sequence varlen batch of 32K, outputs
+    bit-identical (BENCHMARKS.md, thirty-fourth session; at block_v 32, its default before, 2.54 ms).
     Tuning: ``block_v`` / ``num_warps`` / ``num_stages`` for the state kernel (block_v / num_warps default
-    min(V, 128) / 8 (4 below 128) stored at chunk 64, min(V, 64) / 4 stored at chunk 16, min(V, 32) / 4 fused),
+    min(V, 128) / 8 (4 below 128) at chunk 64, min(V, 64) / 4 stored and min(V, 32) / 4 fused at chunk 16),
     ``prep_num_warps`` for the first prep kernel, ``out_block_v`` / ``out_num_warps`` / ``out_num_stages`` for the
     output kernel (defaults min(V, 128) / 4 / 2).
 
@@ -882,7 +891,8 @@ def chunk_kda_fwd(
     against the state, which itself stays fp32 (registers, initial and final state); fp32 inputs always use
     exact fp32 dots. ``lowp_buffers=True`` (default; bf16 inputs) also stores the kd and Aqk intermediates in
     q.dtype (~0.75 KB less HBM traffic per token-head at K = 128, written once and read at least once).
-    Measured on the H200 at T = 8K, H = 96, K = V = 128: 2.62 ms with these defaults, fla's chunk_kda 2.62 ms
+    Measured on the H200 at T = 8K, H = 96, K = V = 128: 2.62 ms with the defaults of then (output="stored"), fla's
+    chunk_kda 2.62 ms
     in the same run (BENCHMARKS.md, eleventh session); in the eighth session 2.65 ms, and 3.06 ms with
     output="fused" (the fifth session's single-kernel prep: 4.10 ms; 4.73 with lowp_buffers=False, 6.06 with
     state_dot="tf32" as well, 6.37 for the 16-token path). At T = 300 the fp32-reference distances are o 5.5e-3,
@@ -905,8 +915,10 @@ def chunk_kda_fwd(
         raise ValueError(f"prep_num_warps must be 1 or 2 for chunk_size=64, got {prep_num_warps}")
     if state_dot not in (None, "tf32", "bf16"):
         raise ValueError(f"state_dot must be None, 'tf32' or 'bf16', got {state_dot!r}")
+    if output is None:
+        output = "fused" if chunk_size == 64 else "stored"
     if output not in ("fused", "stored"):
-        raise ValueError(f"output must be 'fused' or 'stored', got {output!r}")
+        raise ValueError(f"output must be None, 'fused' or 'stored', got {output!r}")
     if num_stages == 1 and q.dtype == torch.bfloat16 and state_dot == "bf16" and (chunk_size == 64
                                                                                   or output == "stored"):
         raise ValueError(_SINGLE_STAGE_BF16)
@@ -936,7 +948,7 @@ def chunk_kda_fwd(
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     tuning = (block_v, num_warps, num_stages, prep_num_warps, state_dot, lowp_buffers, out_block_v, out_num_warps,
               out_num_stages)
-    if output == "stored" and chunk_size == 64:
+    if chunk_size == 64:
         BV, warps = _state64_launch(V)
     else:
         BV, warps = min(V, 64 if output == "stored" else 32), 4
@@ -950,9 +962,9 @@ def chunk_kda_fwd(
     flags = (bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel), bool(use_qk_l2norm_in_kernel))
     h_dtype = h_dtype or (torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32)
     if keep_for_backward:
-        if chunk_size != 64 or output != "stored" or tuning != (None, None, None, None, "bf16", True, None, None, None):
-            raise ValueError("keep_for_backward needs the default 64-token launches (chunk_size=64, output='stored', "
-                             "no tuning arguments): the backward's buffers come from those kernels")
+        if chunk_size != 64 or tuning != (None, None, None, None, "bf16", True, None, None, None):
+            raise ValueError("keep_for_backward needs the default 64-token launches (chunk_size=64, no tuning "
+                             "arguments): the backward's buffers come from those kernels")
         kept = _recompute_for_backward(q, k, v, g, beta, h0, cu_seqlens, gate_args, float(scale), float(lower_bound),
                                        (B, T, H, K, V, N), dot_mode, h_dtype, flags, out=out, ht=ht)
         return out, ht, kept
@@ -1017,11 +1029,13 @@ _WU64 = (32, 64, 4, 128)
 
 
 def _state64_launch(V: int):
-    """Default (block_v, num_warps) of the 64-token state kernel with ``output="stored"``: the whole V = 128 in one
+    """Default (block_v, num_warps) of the 64-token state kernel, both outputs: the whole V = 128 in one
     8-warp program (two warp groups sharing each chunk's tiles) rather than two 4-warp programs. Its loads and
     shared memory then serve both halves of V once, and the 96 programs of B = 1, H = 96 fit one to an SM.
     H100, T = 8K, H = 96, K = V = 128, same run, forward ms: 2.297 against 2.334 at block_v 64 / 4 warps
-    (2.428 before the kernel carried S^T); at T = 32K 9.060 against 9.243 (BENCHMARKS.md, twenty-eighth session)."""
+    (2.428 before the kernel carried S^T); at T = 32K 9.060 against 9.243 (BENCHMARKS.md, twenty-eighth session).
+    With ``output="fused"``: 1.847 ms against 2.269 at block_v 64 / 4 warps and 2.431 at block_v 128 / 4 warps
+    (thirty-fourth session)."""
     BV = min(V, 128)
     return BV, 8 if BV >= 128 else 4
 
@@ -1347,7 +1361,8 @@ class _ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def _keeps(ctx, fwd_options) -> bool:
         return (bool(_ChunkKDAFunction.keep_buffers) and any(ctx.needs_input_grad[:8])
-                and fwd_options == {"output": "stored"} and _ChunkKDAFunction.backward_impl == "triton"
+                and fwd_options.get("output") in (None, "fused", "stored") and set(fwd_options) <= {"output"}
+                and _ChunkKDAFunction.backward_impl == "triton"
                 and _ChunkKDAFunction.bwd_options in ({}, {"chunk_size": 64}))  # else the backward would not use them
 
     # "triton": Triton backward (triton_chunk_bwd.py), preprocessing included;
@@ -1425,7 +1440,7 @@ def chunk_kda(
     dt_bias: torch.Tensor | None = None,
     lower_bound: float = -5.0,
     use_beta_sigmoid_in_kernel: bool = False,
-    output: str = "stored",
+    output: str | None = None,
     forward_options: dict | None = None,
 ):
     """Chunked KDA forward (Triton) with autograd.
@@ -1438,14 +1453,15 @@ def chunk_kda(
     Forward: :func:`chunk_kda_fwd` with its defaults (64-token chunks, bf16 state products). Backward: the
     Triton core backward of ``triton_chunk_bwd`` (64-token chunks by default; through the in-kernel gate / beta /
     L2-norm preprocessing as well; ``_ChunkKDAFunction.bwd_options`` passes it options); the fp32 reference
-    recompute is kept selectable (see the module docstring). ``output`` ("fused" or "stored") and
+    recompute is kept selectable (see the module docstring). ``output`` (None for chunk_kda_fwd's default, "fused"
+    or "stored") and
     ``forward_options`` (other keyword arguments of :func:`chunk_kda_fwd`, e.g. ``chunk_size``, ``block_v``) only
     change the forward kernels; the backward is the same.
     """
     fwd_options = dict(forward_options or {})
-    if "output" in fwd_options and fwd_options["output"] != output:
+    if output is not None and fwd_options.get("output", output) != output:
         raise ValueError("output given both as an argument and in forward_options")
-    fwd_options["output"] = output
+    fwd_options.setdefault("output", output)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     flags = (bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel),

@@ -100,6 +100,28 @@ def test_chunk64_u0_in_state_kernel(output, dtype):
     assert rel_err(o_in, o_buf) <= 1e-5 and rel_err(S_in, S_buf) <= 1e-5
 
 
+def test_default_output_per_chunk_size(monkeypatch):
+    """output=None (chunk_kda_fwd's and chunk_kda's default): the fused loop at 64-token chunks, the faster there
+    since the thirty-fourth session (BENCHMARKS.md), and the stored states with the parallel output kernel at 16;
+    chunk_kda takes forward_options' output when its own argument is left at None."""
+    import k3_kernels.kda.triton_chunk as TC
+
+    calls = []
+    for name in ("_stored_fwd", "_chunk64_fwd"):
+        monkeypatch.setattr(TC, name, lambda *a, _n=name, _f=getattr(TC, name), **k: calls.append(_n) or _f(*a, **k))
+    x = make_inputs(T=70, with_h0=True, seed=12)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    o_r, S_r = R.chunk_kda(*args, initial_state=x["h0"], output_final_state=True)
+    for kw, path in ((dict(), "_chunk64_fwd"), (dict(chunk_size=16), "_stored_fwd")):
+        calls.clear()
+        o, S = chunk_kda_fwd(*args, initial_state=x["h0"], output_final_state=True, **kw)
+        assert calls == [path]
+        assert rel_err(o, o_r) <= 1e-4 and rel_err(S, S_r) <= 1e-4
+    calls.clear()
+    o, S = chunk_kda(*args, initial_state=x["h0"], output_final_state=True, forward_options=dict(output="stored"))
+    assert calls == ["_stored_fwd"] and rel_err(o, o_r) <= 1e-4
+
+
 @triton.jit
 def _cumsum_tile(X, OUT, BS: tl.constexpr, INTERP: tl.constexpr):
     o = tl.arange(0, BS)
