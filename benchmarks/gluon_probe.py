@@ -47,18 +47,22 @@ import tempfile
 import torch
 import triton
 import triton.language as tl
+from k3_kernels.gluon_compat import async_load as _cp_async
+from k3_kernels.gluon_compat import thread_barrier as _thread_barrier
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
 )
 
-# Gluon is experimental and its names move: triton 3.6 (the GPU image) has `async_copy_global_to_shared`, later
-# releases renamed it `async_load` (same arguments) and made the old name raise.
+# Gluon is experimental and its names move (see `k3_kernels.gluon_compat`): triton 3.6 (the GPU image) has TMA's
+# `async_copy_global_to_shared`, later releases renamed it `async_load` (same arguments) and made the old name raise.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-_thread_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # renamed after 3.6 too
-_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared  # likewise
 
 
 def _cuda_tool(tool: str, data, suffix: str, *args: str) -> str:
@@ -587,9 +591,8 @@ def w4a16_sass() -> int:
 def w4a16_bench(E: int, tokens: int, rounds: int, skip: str = "") -> int:
     """GPU: the Gluon W4A16 grouped decode at the MoE shapes (gate_up: 6144 x 3584, down: 3584 x 3072), E experts
     with `tokens` tokens each (padded to 8 or 16), against bf16 `torch._grouped_mm` on the same experts."""
-    from k3_kernels.mxfp4.reference import dequantize_mxfp4  # the package's reference (scripts/device_env.sh)
-
     from ceilings import copy_tbs
+    from k3_kernels.mxfp4.reference import dequantize_mxfp4  # the package's reference (scripts/device_env.sh)
 
     ceiling = copy_tbs() * 1e12  # the copy rate measured in this run
     print(f"\nW4A16 (MXFP4) grouped decode, {E} experts x {tokens} tokens, {torch.cuda.get_device_name()}; "

@@ -39,6 +39,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
+from ..gluon_compat import async_load, thread_barrier
+
 __all__ = ["gluon_mla_available", "mla_split_gluon"]
 
 BM = gl.constexpr(64)  # query rows a program: wgmma's M
@@ -61,10 +63,10 @@ def _tile_rows(POOL, BT, b64, s_bt_b, s_pool_p, s_pool_s, n0, end, BLOCK_N: gl.c
 def _issue(base, c_ring, pe_ring, st, CL: gl.constexpr, PL: gl.constexpr):
     """Start the copies of the tile whose row starts are `base` (`_tile_rows`) into ring buffer st: latent
     `[BLOCK_N, 512]`, rope `[BLOCK_N, 64]`."""
-    cp.async_copy_global_to_shared(c_ring.index(st),
+    async_load(c_ring.index(st),
                                    base[:, None] + gl.arange(0, R, layout=gl.SliceLayout(0, CL))[None, :])
     base = gl.convert_layout(base, gl.SliceLayout(1, PL))
-    cp.async_copy_global_to_shared(pe_ring.index(st),
+    async_load(pe_ring.index(st),
                                    base[:, None] + R + gl.arange(0, DR, layout=gl.SliceLayout(0, PL))[None, :])
 
 
@@ -127,7 +129,7 @@ def _mla_split_gluon(
     for j in range(n_tiles):
         cp.wait_group(STAGES - 2)  # this thread's copies of tile j have landed,
         fence_async_shared()  # are visible to wgmma's async proxy,
-        gl.thread_barrier()  # and so are everyone's; everyone is done with tile j - 1 (its buffers, P)
+        thread_barrier()  # and so are everyone's; everyone is done with tile j - 1 (its buffers, P)
         jn = j + STAGES - 1
         if jn < n_tiles:
             _issue(base_next, c_ring, pe_ring, jn % STAGES, CL, PL)
@@ -158,7 +160,7 @@ def _mla_split_gluon(
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, ACC_O))[:, None]
         p_smem.store(p.to(q.dtype))
         fence_async_shared()
-        gl.thread_barrier()  # all of P is stored before either warpgroup reads it
+        thread_barrier()  # all of P is stored before either warpgroup reads it
         acc = warpgroup_mma(p_smem, c_tile, acc)
     cp.wait_group(0)
 

@@ -57,6 +57,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
+from ..gluon_compat import async_load, thread_barrier
 from .triton_moe import _align
 
 __all__ = ["gluon_available", "moe_experts_gluon", "tokens_per_tile"]
@@ -166,10 +167,10 @@ def _scales_wl(sb, S: gl.constexpr, WL: gl.constexpr):
 @gluon.jit
 def _issue(a_ptr, a_ring, b_ptr, b_ring, x_ptr, x_mask, x_ring, k, st, BK: gl.constexpr, TWO: gl.constexpr):
     """Start the copies of K step k (words of one or two weight blocks, the token tile) into ring buffer st."""
-    cp.async_copy_global_to_shared(a_ring.index(st), a_ptr + k * (BK // 8))
+    async_load(a_ring.index(st), a_ptr + k * (BK // 8))
     if TWO:
-        cp.async_copy_global_to_shared(b_ring.index(st), b_ptr + k * (BK // 8))
-    cp.async_copy_global_to_shared(x_ring.index(st), x_ptr + k * BK, mask=x_mask)
+        async_load(b_ring.index(st), b_ptr + k * (BK // 8))
+    async_load(x_ring.index(st), x_ptr + k * BK, mask=x_mask)
 
 
 @gluon.jit
@@ -200,7 +201,7 @@ def _k_async(a_ptr, b_ptr, sa_ptr, sb_ptr, x_ptr, x_mask, K, NT: gl.constexpr, S
     for k in range(n_k):
         cp.wait_group(STAGES - 2)  # this thread's copies of step k have landed,
         fence_async_shared()  # are visible to wgmma's async proxy (cp.async writes through the generic one),
-        gl.thread_barrier()  # and so are everyone's; everyone is done with step k - 1's buffers, refilled next
+        thread_barrier()  # and so are everyone's; everyone is done with step k - 1's buffers, refilled next
         kn = k + STAGES - 1
         if kn < n_k:
             _issue(a_ptr, a_ring, b_ptr, b_ring, x_ptr, x_mask, x_ring, kn, kn % STAGES, BK, TWO)
