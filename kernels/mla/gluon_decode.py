@@ -63,11 +63,9 @@ def _tile_rows(POOL, BT, b64, s_bt_b, s_pool_p, s_pool_s, n0, end, BLOCK_N: gl.c
 def _issue(base, c_ring, pe_ring, st, CL: gl.constexpr, PL: gl.constexpr):
     """Start the copies of the tile whose row starts are `base` (`_tile_rows`) into ring buffer st: latent
     `[BLOCK_N, 512]`, rope `[BLOCK_N, 64]`."""
-    async_load(c_ring.index(st),
-                                   base[:, None] + gl.arange(0, R, layout=gl.SliceLayout(0, CL))[None, :])
+    async_load(c_ring.index(st), base[:, None] + gl.arange(0, R, layout=gl.SliceLayout(0, CL))[None, :])
     base = gl.convert_layout(base, gl.SliceLayout(1, PL))
-    async_load(pe_ring.index(st),
-                                   base[:, None] + R + gl.arange(0, DR, layout=gl.SliceLayout(0, PL))[None, :])
+    async_load(pe_ring.index(st), base[:, None] + R + gl.arange(0, DR, layout=gl.SliceLayout(0, PL))[None, :])
 
 
 # As in `triton_decode`: ints that change as a decode run grows are not specialised (no compile stall mid-generation).

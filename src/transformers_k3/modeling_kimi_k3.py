@@ -431,6 +431,16 @@ _NO_TRAINING_PACKED = (
 )
 
 
+def _refuse_adapter_on_packed(experts: nn.Module) -> None:
+    """Refuse a LoRA adapter on the packed experts' bytes before peft's own forward runs. peft wraps the module of
+    each targeted parameter (`parameter_name`, the wrapped module in `base_layer`); peft 0.20 then fails inside its
+    forward, on the uint8 tensor, with a dtype error that names neither the cause nor the cure."""
+    while isinstance(getattr(experts, "base_layer", None), nn.Module):
+        if getattr(experts, "parameter_name", None) in _PACKED_NAMES:
+            raise RuntimeError(_NO_TRAINING_PACKED)
+        experts = experts.base_layer
+
+
 @use_experts_implementation
 class KimiK3Experts(nn.Module):
     """Routed experts as 3-D tensors (`gate_up_proj [E, 2I, D]`, `down_proj [E, D, I]`) in the latent width D.
@@ -573,6 +583,8 @@ class KimiK3LatentMoE(nn.Module):
         flat = x.reshape(-1, shape[-1])  # [N, d]
         _, top_w, top_idx = self.gate(flat, None if pad_mask is None else pad_mask.reshape(-1) > 0)
         z = self.routed_expert_down_proj(flat)  # [N, D]
+        if not isinstance(self.experts, KimiK3Experts):  # wrapped by an adapter
+            _refuse_adapter_on_packed(self.experts)
         u = self.experts(z, top_idx, top_w.to(z.dtype))
         if self.config.latent_moe_use_norm:
             u = self.routed_expert_norm(u)

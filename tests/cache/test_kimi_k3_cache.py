@@ -79,8 +79,11 @@ def test_batch_repeat_and_select(lm):
 @torch.no_grad()
 def test_prompt_cache_reuse_by_deepcopy(lm):
     """transformers' prompt-reuse recipe: fill a cache with a shared prefix once, then generate each continuation
-    from a deep copy of it; the copies are independent and give the tokens of a fresh generate."""
+    from a deep copy of it; the copies are independent and give the tokens of a fresh generate. The cache goes to
+    generate under the keyword this transformers speaks (`past_key_values` before 5.2x, `cache` since)."""
     import copy
+
+    from transformers_k3.modeling_kimi_k3 import CACHE_KWARG
 
     prefix = torch.randint(0, 500, (1, 10))
     shared = KimiK3Cache(lm.config)
@@ -89,7 +92,7 @@ def test_prompt_cache_reuse_by_deepcopy(lm):
     for n in (3, 1 + lm.config.mla_page_size):  # the second crosses a page boundary
         ids = torch.cat([prefix, torch.randint(0, 500, (1, n))], 1)
         want = lm.generate(ids, max_new_tokens=4, do_sample=False)
-        got = lm.generate(ids, max_new_tokens=4, do_sample=False, cache=copy.deepcopy(shared))
+        got = lm.generate(ids, max_new_tokens=4, do_sample=False, **{CACHE_KWARG: copy.deepcopy(shared)})
         assert torch.equal(got, want)
     assert (shared.nbytes(), shared.get_seq_length()) == before  # the shared prefix cache is untouched
 
