@@ -12,6 +12,7 @@ unwritten, so nothing is checked numerically here: that is what the tests are fo
 
     python benchmarks/compile_check.py                      # the installed triton
     PYTHONPATH=/tmp/t36 python benchmarks/compile_check.py  # e.g. a triton 3.6.0 wheel unzipped into /tmp/t36
+    python benchmarks/compile_check.py --gluon              # the Gluon kernels only (tests/kernels/test_gluon_compile.py)
 
 Prints one line per (kernel, constexprs) compiled, then any kernel launched in the source that no case reached;
 exits 1 if any compile failed or a kernel was not reached.
@@ -348,12 +349,15 @@ def _launched_kernels() -> set[str]:
     return names
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    gluon_only = argv == ["--gluon"]
+    if argv and not gluon_only:
+        sys.exit(f"usage: compile_check.py [--gluon], got {argv}")
     print(f"triton {triton.__version__} ({Path(triton.__file__).parent}), target {TARGET}")
     JITFunction.run = _compile_instead_of_launch
     case_errors = []
-    for cases in (_moe_cases, _gluon_moe_cases, _kda_cases, _mla_cases, _gluon_mla_cases, _attnres_cases,
-                  _fused_cases):
+    all_cases = (_moe_cases, _gluon_moe_cases, _kda_cases, _mla_cases, _gluon_mla_cases, _attnres_cases, _fused_cases)
+    for cases in (_gluon_moe_cases, _gluon_mla_cases) if gluon_only else all_cases:
         try:
             for name, fn in cases():
                 _current_case[0] = name
@@ -369,7 +373,8 @@ def main() -> int:
         opts = ", ".join(f"{k}={v}" for k, v in options)
         print(f"{'ok  ' if status.startswith('ok') else 'FAIL'} {kernel}[{cx}{'; ' + opts if opts else ''}] {status}")
         failed += not status.startswith("ok")
-    missing = sorted(_launched_kernels() - {k for k, _, _ in compiled})
+    missing = sorted(k for k in _launched_kernels() - {k for k, _, _ in compiled}
+                     if not gluon_only or k.startswith("gluon_"))
     for name in missing:
         print(f"NOT REACHED {name}: no case launched it")
     for err in case_errors:
@@ -379,4 +384,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
