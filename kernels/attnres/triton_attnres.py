@@ -905,9 +905,11 @@ def _coop_run(kernel, n_groups: int, args, device, **kw):
     (PHASE 1, 2) over the same buffers."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         for phase in (1, 2):
-            kernel[(n_groups * kw["S"],)](*args, torch.empty(1, device=device, dtype=torch.int32), **kw, PHASE=phase)
+            kernel[(n_groups * kw["S"],)](*args, torch.empty(1, device=device, dtype=torch.int32), **kw, PHASE=phase,
+                enable_fp_fusion=True)
     else:
-        kernel[(n_groups * kw["S"],)](*args, torch.zeros(kw["T"], device=device, dtype=torch.int32), **kw, PHASE=0)
+        kernel[(n_groups * kw["S"],)](*args, torch.zeros(kw["T"], device=device, dtype=torch.int32), **kw, PHASE=0,
+            enable_fp_fusion=True)
 
 
 _SHARED_BUDGET = 200 * 1024  # of the H200's 227 KB a block may use, leaving room for the reductions' scratch
@@ -958,20 +960,21 @@ class _AttnResFunction(torch.autograd.Function):
                 _attnres_fwd_stream[(triton.cdiv(T, tpp),)](
                     v3, w, out, alpha, rs, ps, T, D, eps, tpp, N=N, NP=triton.next_power_of_2(N), SAVE_STATS=grad,
                     BLOCK_D=BLOCK_D, STAGES=stream_stages, num_warps=warps, num_stages=stream_stages,
+                    enable_fp_fusion=True,
                 )
             elif T > 0 and variant == "resident":
                 NA, NB, BLOCK_D, warps, prefetch, st = _resident_launch(N, D, num_warps, prefetch, stages, 0,
                                                                         v3.element_size())
                 _attnres_fwd_resident[(min(T, res_per_sm * _sm_count(v.device)),)](
                     v3, w, out, alpha, rs, ps, T, D, eps, N=N, NA=NA, NB=NB, SAVE_STATS=grad, BLOCK_D=BLOCK_D,
-                    PREFETCH=prefetch, STAGES=st, num_warps=warps, num_stages=st,
+                    PREFETCH=prefetch, STAGES=st, num_warps=warps, num_stages=st, enable_fp_fusion=True,
                 )
             elif T > 0:
                 BLOCK_T, NP, BLOCK_D, warps = _tiled_cfg(N, D, block_t, block_d, num_warps, grad)
                 n_prog, nb = _tiled_grid(triton.cdiv(T, BLOCK_T), 1, per_sm, v.device)
                 _attnres_fwd_tiled[(n_prog,)](
                     v3, w, out, alpha, rs, ps, T, D, eps, nb, N=N, NP=NP, SAVE_STATS=grad, SPLIT=split,
-                    BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, CHUNK=min(BLOCK_D, chunk), num_warps=warps,
+                    BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, CHUNK=min(BLOCK_D, chunk), num_warps=warps, enable_fp_fusion=True,
                 )
             ctx.save_for_backward(v3, w, alpha, rs, ps, query_weight, norm_weight)
             return out.view(*lead, D)
@@ -980,7 +983,7 @@ class _AttnResFunction(torch.autograd.Function):
         if T > 0:
             _attnres_fwd[(T,)](
                 v3, w, out, out_f32, alpha, T, D, eps, N=N, SAVE_F32=out_f32 is not out, BLOCK_D=BLOCK_D,
-                num_warps=warps,
+                num_warps=warps, enable_fp_fusion=True,
             )
         ctx.save_for_backward(v3, w, out_f32, alpha, query_weight, norm_weight)
         return out.view(*lead, D)
@@ -1024,20 +1027,20 @@ class _AttnResFunction(torch.autograd.Function):
         elif variant == "resident":
             _attnres_bwd_resident[(n_prog,)](
                 v3, w, do, alpha, rs, ps, dv, dw_part, T, D, N=N, NA=NA, NB=NB, BLOCK_D=BLOCK_D, PREFETCH=prefetch,
-                STAGES=st, num_warps=warps, num_stages=st,
+                STAGES=st, num_warps=warps, num_stages=st, enable_fp_fusion=True,
             )
         elif variant == "tiled":
             # [2, N, T] per-candidate coefficients of the split pass 2 (unused by "tile")
             scratch = torch.empty((2, N, T) if split else (1,), device=v3.device, dtype=torch.float32)
             _attnres_bwd_tiled[(n_prog,)](
                 v3, w, do, alpha, rs, ps, scratch, dv, dw_part, T, D, nb, N=N, NP=NP, SPLIT=split,
-                BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, CHUNK=min(BLOCK_D, chunk), num_warps=warps,
+                BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, CHUNK=min(BLOCK_D, chunk), num_warps=warps, enable_fp_fusion=True,
             )
         else:
             BLOCK_D, warps = _launch_cfg(D, num_warps)
             _attnres_bwd[(n_prog,)](
                 v3, w, out, do, alpha, dv, dw_part, T, D, ctx.eps, N=N, ROWS=_BWD_ROWS, BLOCK_D=BLOCK_D,
-                num_warps=warps,
+                num_warps=warps, enable_fp_fusion=True,
             )
         dw = dw_part.sum(0)  # [D]
         dq = (dw * norm_weight.reshape(D).float()).reshape(query_weight.shape).to(query_weight.dtype)

@@ -43,5 +43,6 @@ def gated_rms_norm_triton(o: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     block_r = max(1, 4096 // block_k)  # ~4K elements a program
     if R:
         _gated_norm_kernel[(triton.cdiv(R, block_r),)](o2, g2, weight.contiguous(), out, R, K, float(eps),
-                                                        BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+                                                        BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4,
+                                                        enable_fp_fusion=True)
     return out

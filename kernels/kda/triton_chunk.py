@@ -998,7 +998,7 @@ def chunk_kda_fwd(
                 q, k, v, g, beta, cu_all, chunk_indices, *gate_args, w_buf, u_buf, float(lower_bound),
                 dummy, dummy, dummy, dummy, 1.0, H=H, K=K, V=V, BT=_BT, USE_GATE=bool(use_gate_in_kernel),
                 USE_BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel), USE_L2NORM=bool(use_qk_l2norm_in_kernel),
-                DOT_BF16=dot_mode, num_warps=num_warps,
+                DOT_BF16=dot_mode, num_warps=num_warps, enable_fp_fusion=True,
             )
     grid = (N, H, V // BV)
     _kda_chunk_fwd_kernel[grid](
@@ -1012,7 +1012,7 @@ def chunk_kda_fwd(
         USE_GATE=bool(use_gate_in_kernel), USE_BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
         USE_L2NORM=bool(use_qk_l2norm_in_kernel),
         DOT_BF16=dot_mode, STATE_DOT=3 if q.dtype == torch.bfloat16 else 0, PRE_WU=w_buf is not dummy,
-        num_warps=num_warps,
+        num_warps=num_warps, enable_fp_fusion=True,
     )
     return out, ht
 
@@ -1065,14 +1065,14 @@ def _launch_prep64(n_chunks, args, H, K, V, is_varlen, flags, dot_mode, wu_dot, 
         H=H, K=K, BS=_BS, IS_VARLEN=is_varlen, USE_GATE=use_gate, USE_BETA_SIGMOID=use_bsig, USE_L2NORM=use_l2,
         DOT_BF16=dot_mode, WU_DOT=wu_dot, BK=min(K, _PREP64_BLOCK), STORE_BWD=bwd_bufs is not None,
         INTERP=os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=prep_num_warps or _PREP64_WARPS,
+        num_warps=prep_num_warps or _PREP64_WARPS, enable_fp_fusion=True,
     )
     bk, bv, nw, maxnreg = _WU64
     _kda_chunk64_wu_kernel[(n_chunks, H)](
         q, k, v, g, cu_all, chunk_indices, A_log, dt_bias, x_buf, r_buf,
         w_buf, q if u_buf is None else u_buf, qg_buf, kd_buf, gl_buf, lower_bound, T, NT,
         H=H, K=K, V=V, BT=_BT64, IS_VARLEN=is_varlen, USE_GATE=use_gate, WU_DOT=wu_dot,
-        BK=min(K, bk), BV=min(V, bv), STORE_U=u_buf is not None, num_warps=nw, maxnreg=maxnreg,
+        BK=min(K, bk), BV=min(V, bv), STORE_U=u_buf is not None, num_warps=nw, maxnreg=maxnreg, enable_fp_fusion=True,
     )
     return x_buf, r_buf
 
@@ -1143,7 +1143,7 @@ def _chunk64_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, lo
             h0 if h0 is not None else q, ht if ht is not None else q, cu_all, chunk_offsets, T, NT, q, q, x_buf, v,
             H=H, K=K, V=V, BT=_BT64, BV=BV, IS_VARLEN=is_varlen, USE_H0=h0 is not None,
             STORE_FINAL=ht is not None, STATE_DOT=st_dot, U_XB=u_xb, U_DOT=wu_dot,
-            num_warps=num_warps, num_stages=stages,
+            num_warps=num_warps, num_stages=stages, enable_fp_fusion=True,
         )
 
     # default: pipelined chunk loads (2 stages), 1 if that does not fit
@@ -1262,7 +1262,7 @@ def _stored_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, low
             q, k, v, g, beta, cu_all, chunk_indices, *gate_args, w_buf, u_buf, lower_bound,
             qg_buf, kd_buf, A_buf, gl_buf, scale, H=H, K=K, V=V, BT=BT, USE_GATE=use_gate,
             USE_BETA_SIGMOID=use_bsig, USE_L2NORM=use_l2, DOT_BF16=dot_mode, STORE_QKA=True,
-            num_warps=prep_num_warps or num_warps,
+            num_warps=prep_num_warps or num_warps, enable_fp_fusion=True,
         )
 
     def launch_state(stages):
@@ -1272,7 +1272,7 @@ def _stored_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, low
             x_buf if x_buf is not None else q, v,
             H=H, K=K, V=V, BT=BT, BV=BV, IS_VARLEN=is_varlen, USE_H0=h0 is not None,
             STORE_FINAL=ht is not None, STATE_DOT=st_dot, STORED=True, U_XB=u_xb, U_DOT=tf32 if bf16 else 0,
-            num_warps=num_warps, num_stages=stages,
+            num_warps=num_warps, num_stages=stages, enable_fp_fusion=True,
         )
 
     _launch_pipelined(launch_state, num_stages, st_dot not in (1, 2))
@@ -1292,7 +1292,7 @@ def _stored_fwd(q, k, v, g, beta, out, h0, ht, cu_seqlens, gate_args, scale, low
         _kda_chunk_output_kernel[(n_chunks, H, V // OBV)](
             qg_buf, A_buf, vn_buf, h_buf, out, cu_all, chunk_indices, T, max(NT, 1),
             H=H, K=K, V=V, BT=BT, BK=min(K, 64), BV=OBV, IS_VARLEN=is_varlen, QH_DOT=qh_dot, AU_DOT=st_dot,
-            num_warps=out_num_warps, num_stages=stages,
+            num_warps=out_num_warps, num_stages=stages, enable_fp_fusion=True,
         )
 
     _launch_pipelined(launch_out, out_num_stages)

@@ -825,21 +825,22 @@ def chunk_kda_bwd(
     # (CBV 32, 4 warps, 1 stage) spills ~0.5-0.9 KB (ptxas, sm_90a, triton 3.6) and is still the fastest measured
     chunk_warps = chunk_num_warps or 4
     _bwd_prep_kernel[(NT, H)](q, k, g, beta, cu, chunk_indices, X_buf, w_buf, Aqk_buf, kd_buf, qg_buf, gl_buf, b_buf,
-                              float(scale), *gate_args, **common, **flags, num_warps=num_warps)
+                              float(scale), *gate_args, **common, **flags, num_warps=num_warps, enable_fp_fusion=True)
     grid = (N, H, V // BV)
     _bwd_state_kernel[grid](
         v, h0 if h0 is not None else dummy, h, u_buf, cu, chunk_offsets, X_buf, w_buf, kd_buf, gl_buf, b_buf,
-        V=V, BV=BV, USE_H0=h0 is not None, **common, num_warps=num_warps,
+        V=V, BV=BV, USE_H0=h0 is not None, **common, num_warps=num_warps, enable_fp_fusion=True,
     )
     _bwd_dstate_kernel[grid](
         do, dht_c if dht_c is not None else dummy, dh, dh0 if dh0 is not None else dummy, du_buf, cu, chunk_offsets,
         w_buf, Aqk_buf, kd_buf, qg_buf, gl_buf,
         V=V, BV=BV, USE_DHT=dht_c is not None, STORE_DH0=dh0 is not None, **common, num_warps=num_warps,
+        enable_fp_fusion=True,
     )
     _bwd_chunk_kernel[(NT, H)](
         q, k, v, g, beta, do, h, dh, u_buf, du_buf, cu, chunk_indices, X_buf, b_buf, dq, dk, dv, dg, dbeta,
         ddt_part, dA_part, float(scale), *gate_args, V=V, BV=CBV, **common, **flags, num_warps=chunk_warps,
-        **({} if chunk_num_stages is None else {"num_stages": chunk_num_stages}),
+        **({} if chunk_num_stages is None else {"num_stages": chunk_num_stages}), enable_fp_fusion=True,
     )
     dA_log, ddt_bias = (dA_part.sum(0), ddt_part.sum(0).reshape(H * K)) if gate else (None, None)
     return dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias
@@ -900,7 +901,7 @@ def _chunk_kda_bwd64(q, k, v, g, beta, do, scale, h0, dht, cu_seqlens, dims, gat
         do, dht_c if dht_c is not None else q, dh, dh0 if dh0 is not None else q, du, fb["cu"], fb["chunk_offsets"],
         fb["w"], fb["Aqk"], fb["kd"], fb["qg"], fb["gl"], T, NT,
         H=H, K=K, V=V, BT=64, BV=BV, IS_VARLEN=is_varlen, USE_DHT=dht_c is not None, STORE_DH0=dh0 is not None,
-        DOT=st_dot, num_warps=num_warps, num_stages=2,
+        DOT=st_dot, num_warps=num_warps, num_stages=2, enable_fp_fusion=True,
     )
     if not n_chunks:
         zero = (torch.zeros(H, **f32), torch.zeros(H * K, **f32)) if use_gate else (None, None)
@@ -915,13 +916,14 @@ def _chunk_kda_bwd64(q, k, v, g, beta, do, scale, h0, dht, cu_seqlens, dims, gat
         q, k, v, g, beta, do, fb["h"], dh, fb["u"], du, fb["X"], fb["r"], fb["cu"], fb["chunk_indices"], *gate_ptrs,
         dv, dAqk, dXb_part, dq_part, dk_part, dG_part, dGl, lower_bound, T, NT,
         H=H, K=K, V=V, BT=64, BK=BK, BV=min(V, bv), NK=NK, DOT=dot_mode, XDOT=dot_mode if x_bf16 else x_dot,
-        IS_VARLEN=is_varlen, USE_GATE=use_gate, USE_BSIG=use_bsig, num_warps=nw,
+        IS_VARLEN=is_varlen, USE_GATE=use_gate, USE_BSIG=use_bsig, num_warps=nw, enable_fp_fusion=True,
     )
     # the UT inverse's backward: dA (chunk-major, fp32) for the intra kernel, and dbeta
     dA = torch.empty(n_chunks, H, 64, 64, **f32)
     _bwd64_ut_kernel[(n_chunks, H)](
         beta, fb["X"], fb["Akk"], dXb_part, dA, dbeta, fb["cu"], fb["chunk_indices"], T, NT,
         H=H, BT=64, NK=NK, IS_VARLEN=is_varlen, USE_BSIG=use_bsig, XDOT=x_dot, num_warps=_UT64_WARPS,
+        enable_fp_fusion=True,
     )
     bc, nw = _INTRA64
     BC = min(K, bc)
@@ -934,9 +936,11 @@ def _chunk_kda_bwd64(q, k, v, g, beta, do, scale, h0, dht, cu_seqlens, dims, gat
         q, k, g, fb["r"], dAqk, dA, dq_part, dk_part, dG_part, dGl, fb["cu"], fb["chunk_indices"], *gate_ptrs,
         dq, dk, dg, ddt_part, dA_part, row_part, lower_bound, scale, T, NT,
         H=H, K=K, BT=64, BC=BC, IS_VARLEN=is_varlen, USE_GATE=use_gate, USE_L2=use_l2, XDOT=x_dot, num_warps=nw,
+        enable_fp_fusion=True,
     )
     if use_l2:
         _bwd64_l2_kernel[grid](q, k, fb["r"], dq_part, dk_part, row_part, dq, dk, fb["cu"], fb["chunk_indices"],
-                               scale, T, NT, H=H, K=K, BT=64, BC=BC, IS_VARLEN=is_varlen, num_warps=4)
+                               scale, T, NT, H=H, K=K, BT=64, BC=BC, IS_VARLEN=is_varlen, num_warps=4,
+                               enable_fp_fusion=True)
     dA_log, ddt_bias = (dA_part.sum((0, 2)), ddt_part.sum(0).reshape(H * K)) if use_gate else (None, None)
     return dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias

@@ -294,7 +294,7 @@ def fused_recurrent_kda(
             GATE_IN_KERNEL=use_gate_in_kernel,
             BETA_SIGMOID=use_beta_sigmoid_in_kernel,
             QK_L2NORM=use_qk_l2norm_in_kernel,
-            num_warps=warps,
+            num_warps=warps, enable_fp_fusion=True,
         )
     if output_intermediate_states:
         return out, final, hs

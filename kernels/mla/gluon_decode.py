@@ -207,4 +207,4 @@ def mla_split_gluon(grid, args: tuple, *, block_n: int, stages: int, page: int, 
                     dtype: torch.dtype) -> None:
     """Launch the split kernel over `grid` = (row blocks of 64, B, splits) with `triton_decode`'s arguments."""
     _mla_split_gluon[grid](*args, HAS_MASK=has_mask, ONE_SPLIT=one_split,
-                           **_constexprs(block_n, stages, page, dtype), num_warps=8)
+                           **_constexprs(block_n, stages, page, dtype), num_warps=8, enable_fp_fusion=True)

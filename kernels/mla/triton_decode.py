@@ -211,6 +211,7 @@ def _merge(part_o, part_lse, out, H, m_rows, n_splits, r, interp):
     _mla_merge_kernel[grid](
         part_o, part_lse, out, H, m_rows, n_splits, out.stride(0), out.stride(1), out.stride(2),
         R=r, BLOCK_R=block_r, BLOCK_M=8, BLOCK_S=block_s, LSE_S=min(4 if interp else 64, n_pow2), num_warps=4,
+        enable_fp_fusion=True,
     )
 
 
@@ -323,7 +324,7 @@ def mla_paged_decode(
             R=r, DR=dr, BLOCK_R=block_r, BLOCK_PE=block_pe, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
             HAS_MASK=mask is not None, ONE_SPLIT=one, DOT_PREC=dot_prec,
             DOT_F32=interp and pool.dtype != torch.float32,
-            num_warps=num_warps, num_stages=num_stages,
+            num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True,
         )
     if not one:
         _merge(part_o, part_lse, out, H, m_rows, num_splits, r, interp)

@@ -400,8 +400,9 @@ def moe_experts_gluon(x, top_idx, top_w, w13_packed, w13_scale, w2_packed, w2_sc
     xb = x.to(torch.bfloat16)[:, _operand_order(D, x.device)]
     s1, s2 = k_step or _k_step(D, nt), k_step or _k_step(I, nt)
     _gate_up_situ[(I // BM, tiles)](xb, w13_packed, w13_scale, hbuf, sorted_ids, block_expert, N * k, k, D, I,
-                                    D // 8, D // 32, beta, linear_beta, **_constexprs(nt, s1, stages), num_warps=4)
+                                    D // 8, D // 32, beta, linear_beta, **_constexprs(nt, s1, stages), num_warps=4,
+                                    enable_fp_fusion=True)
     _down[(D // BM, tiles)](hbuf, w2_packed, w2_scale, out, top_w.reshape(-1).float().contiguous(), sorted_ids,
                             block_expert, N * k, k, D, I, I // 8, I // 32, **_constexprs(nt, s2, stages),
-                            **_down_constexprs(nt), num_warps=4)
+                            **_down_constexprs(nt), num_warps=4, enable_fp_fusion=True)
     return out.to(x.dtype)

@@ -365,7 +365,7 @@ def _align(top_idx: torch.Tensor, num_experts: int, block_m: int):
         end = torch.empty(num_experts, dtype=torch.long, device=flat.device)
         padded = torch.empty_like(end)
         _align_kernel[(1,)](flat, sorted_ids, block_expert, end, padded, A, num_experts, tiles,
-                            BLOCK_M=block_m, A_P=a_p, E_P=e_p, num_warps=4)
+                            BLOCK_M=block_m, A_P=a_p, E_P=e_p, num_warps=4, enable_fp_fusion=True)
         return sorted_ids, block_expert, tiles, end, padded
     return _align_torch(flat, num_experts, block_m, tiles)
 
@@ -624,13 +624,14 @@ def moe_experts_triton(
         x, w1, S1, hbuf, sorted_ids, block_expert, run_end, run_len, tiles, N * k, k, D, I, beta, linear_beta,
         FP4=fp4, BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], DOT_F32=_DOT_F32, EXPERT_MAJOR=expert_major,
         ROW_TILES=_launch_row_tiles(c1["row_tiles"], N * k, E, bm), W_DESC=c1["tma"], num_warps=c1["num_warps"], num_stages=c1["num_stages"],
+        enable_fp_fusion=True,
     )
     _down[(tiles * triton.cdiv(D, c2["BLOCK_N"]),)](
         hs, w2, S2, out, sorted_ids, block_expert, run_end, run_len, top_w.reshape(-1).float().contiguous(), tiles,
         N * k, k, D, I,
         FP4=fp4, BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], DOT_F32=_DOT_F32,
         REDUCE_SORTED=reduce_sorted, EXPERT_MAJOR=expert_major, ROW_TILES=_launch_row_tiles(c2["row_tiles"], N * k, E, bm),
-        W_DESC=c2["tma"], num_warps=c2["num_warps"], num_stages=c2["num_stages"],
+        W_DESC=c2["tma"], num_warps=c2["num_warps"], num_stages=c2["num_stages"], enable_fp_fusion=True,
     )
     if reduce_sorted:
         out = out.view(N, k, D).sum(1)  # assignment id = token * k + slot: a token's k rows are adjacent

@@ -68,6 +68,6 @@ def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, initial_state: tor
     if B:
         _conv_step_kernel[(B, triton.cdiv(D, block_d))](
             x, w, state, y, new_state, T, D, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
-            WIDTH=W, SILU=activation is not None, BLOCK_D=block_d, num_warps=4,
+            WIDTH=W, SILU=activation is not None, BLOCK_D=block_d, num_warps=4, enable_fp_fusion=True,
         )
     return y, new_state
