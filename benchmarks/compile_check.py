@@ -7,7 +7,8 @@ interpreter ran). This script runs each op's public Python wrapper on small CPU 
 replaced by `triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`: the launch configurations are the
 ones the wrappers really pick (block sizes, flags, dtypes), the kernels are compiled through TTIR, TTGIR, LLVM,
 PTX and ptxas (shipped in the wheel), and nothing is launched. A kernel that needs more shared memory than an
-H200 block may have (the launch would raise OutOfResources) fails too. Outputs of the "launches" are left
+H200 block may have (the launch would raise OutOfResources) fails too, and so does a launch that does not pass
+`enable_fp_fusion=True` (every launch pins it; tests/conftest.py says why). Outputs of the "launches" are left
 unwritten, so nothing is checked numerically here: that is what the tests are for.
 
     python benchmarks/compile_check.py                      # the installed triton
