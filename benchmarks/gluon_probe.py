@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 from k3_kernels.gluon_compat import async_load as _cp_async
 from k3_kernels.gluon_compat import thread_barrier as _thread_barrier
+from k3_kernels.gluon_compat import tma_load as _tma_load
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -60,15 +61,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-# Gluon is experimental and its names move (see `k3_kernels.gluon_compat`): triton 3.6 (the GPU image) has TMA's
-# `async_copy_global_to_shared`, later releases renamed it `async_load` (same arguments) and made the old name raise.
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-
 
 def _cuda_tool(tool: str, data, suffix: str, *args: str) -> str:
     """Run one of the CUDA tools shipped in the triton wheel (ptxas, nvdisasm) on `data` written to a temporary
     file; returns its stdout and stderr together."""
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    # triton >= 3.7 assembles sm_90 with its newer `ptxas-blackwell`; the older `ptxas` beside it rejects that PTX
+    if tool == "ptxas" and os.path.exists(os.path.join(bin_dir, "ptxas-blackwell")):
+        tool = "ptxas-blackwell"
+    path = os.path.join(bin_dir, tool)
     with tempfile.NamedTemporaryFile("wb" if isinstance(data, bytes) else "w", suffix=suffix, delete=False) as f:
         f.write(data)
     try:
@@ -569,7 +570,8 @@ def w4a16_sass() -> int:
         kernel = triton.compile(GluonASTSource(fn, _w4a16_signature(cex), cex,
                                                {(i, ): [["tt.divisibility", 16]] for i in range(6)}),
                                 target=GPUTarget("cuda", 90, 32),
-                                options=dict(num_warps=(variant.get("whole_x") or 64) // 16))
+                                options=dict(num_warps=(variant.get("whole_x") or 64) // 16,
+                                             enable_fp_fusion=True))
         sass = _cuda_tool("nvdisasm", kernel.asm["cubin"], ".cubin", "-c")
         ins, labels = [], {}
         for line in sass.splitlines():
@@ -711,7 +713,7 @@ def mla_compile() -> int:
     sig = dict(C="*bf16", Q="*bf16", O="*fp32", L="i32", **{k: "constexpr" for k in cex})
     kernel = triton.compile(GluonASTSource(_mla_heads_as_n, sig, cex, {(i, ): [["tt.divisibility", 16]]
                                                                         for i in range(4)}),
-                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, enable_fp_fusion=True))
     ptx = kernel.asm["ptx"]
     shapes = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)))
     print(f"triton {triton.__version__}: `_mla_heads_as_n`, {nh} heads x {bt}-token tiles: {ptx.count('wgmma.mma_async')} "
@@ -751,7 +753,7 @@ def compile_only() -> int:
         attrs = {(i, ): [["tt.divisibility", 16]] for i in range(6)}
         fn_ = _ws_grouped_gemm if kw.get("specialise", True) else _pipelined_grouped_gemm
         kernel = triton.compile(GluonASTSource(fn_, sig, cex, attrs), target=GPUTarget("cuda", 90, 32),
-                                options=dict(num_warps=warps))
+                                options=dict(num_warps=warps, enable_fp_fusion=True))
         ptx = kernel.asm["ptx"]
         counts = {k: ptx.count(k) for k in ("setmaxnreg", "wgmma.mma_async", "wgmma.wait_group",
                                             "cp.async.bulk.tensor", "mbarrier.try_wait")}

@@ -7,10 +7,14 @@ torch 2.13).
   call async_load instead").
 - `thread_barrier`: a barrier across the program's threads. Triton 3.6 calls it `gl.thread_barrier()`; later
   releases call it `gl.barrier()` (which also takes `cluster=`).
+- `tma_load`: the TMA bulk copy into shared memory (`tma.async_copy_global_to_shared` in 3.6, `tma.async_load`
+  later). No landed kernel uses TMA; `benchmarks/gluon_probe.py`'s warp-specialised probes do.
 """
 
 from triton.experimental.gluon import language as _gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as _cp
+from triton.experimental.gluon.language.nvidia.hopper import tma as _tma
 
 async_load = getattr(_cp, "async_load", None) or _cp.async_copy_global_to_shared
 thread_barrier = getattr(_gl, "thread_barrier", None) or _gl.barrier
+tma_load = getattr(_tma, "async_load", None) or _tma.async_copy_global_to_shared
