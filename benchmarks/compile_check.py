@@ -308,6 +308,42 @@ def _gluon_moe_cases():
                            lambda fn=fn, types=types, nt=nt, s=s, st=st: run(fn, types, nt, s, st))
 
 
+def _gluon_moe_ws_cases():
+    """The warp-specialised Gluon experts (prefill sizes, Hopper only): MXFP4 and bf16 weights, gate_up and down, the
+    default ring and the other depths the tests launch."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from k3_kernels.moe import gluon_moe_ws
+
+    fn = gluon_moe_ws._ws_experts
+    types = dict(X="*bf16", H="*bf16", OUT="*fp32", TOPW="*fp32", SORTED="*i32", GROUPS="*i32", BLOCK_EXPERT="*i32",
+                 NGROUPS="*i32", beta="fp32", linear_beta="fp32")
+
+    def run(fp4, gate, stages, pre, wdepth):
+        cex = dict(gluon_moe_ws._constexprs(stages, pre, wdepth, 112, 160), FP4=fp4, GATE=gate)
+        params = list(inspect.signature(fn.fn).parameters)
+        w = "*u8" if fp4 else "*bf16"
+        signature = {p: types.get(p, w if p in ("W", "WS") else "constexpr" if p in cex else "i32") for p in params}
+        # K3's widths and row strides: multiples of 16, which the launcher specialises
+        attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
+                 if signature[p].startswith("*") or p in ("K", "ROWS_E", "HALF", "KW", "I", "D")}
+        key = ("gluon_moe_ws._ws_experts", tuple(sorted((k, str(v)) for k, v in cex.items()
+                                                        if k in ("FP4", "GATE", "STAGES", "PRE", "WDEPTH"))),
+               (("num_warps", 4),))
+        try:
+            kernel = triton.compile(GluonASTSource(fn, signature, cex, attrs), target=TARGET,
+                                    options={"num_warps": 4, "enable_fp_fusion": True})
+            compiled[key] = _status(key[0], kernel, f"FP4={fp4} GATE={gate} stages={stages} pre={pre}")
+        except Exception as exc:  # noqa: BLE001 - reported like the Triton kernels' failures
+            compiled[key] = f"FAILED: {type(exc).__name__}: {exc}"
+
+    for fp4 in (True, False):
+        for gate in (True, False):
+            for stages, pre, wdepth in ((4, 2, 2), (3, 1, 2), (4, 1, 1))[: 3 if fp4 else 1]:
+                yield (f"gluon ws experts FP4={fp4} GATE={gate} stages={stages} pre={pre} wdepth={wdepth}",
+                       lambda a=(fp4, gate, stages, pre, wdepth): run(*a))
+
+
 def _gluon_mla_cases():
     """The Gluon MLA split kernel (Hopper only): K3's shapes, each tile width and ring depth, with and without the
     mask, one split or several."""
@@ -362,8 +398,9 @@ def main(argv: list[str]) -> int:
     print(f"triton {triton.__version__} ({Path(triton.__file__).parent}), target {TARGET}")
     JITFunction.run = _compile_instead_of_launch
     case_errors = []
-    all_cases = (_moe_cases, _gluon_moe_cases, _kda_cases, _mla_cases, _gluon_mla_cases, _attnres_cases, _fused_cases)
-    for cases in (_gluon_moe_cases, _gluon_mla_cases) if gluon_only else all_cases:
+    all_cases = (_moe_cases, _gluon_moe_cases, _gluon_moe_ws_cases, _kda_cases, _mla_cases, _gluon_mla_cases,
+                 _attnres_cases, _fused_cases)
+    for cases in (_gluon_moe_cases, _gluon_moe_ws_cases, _gluon_mla_cases) if gluon_only else all_cases:
         try:
             for name, fn in cases():
                 _current_case[0] = name

@@ -10,7 +10,9 @@ TFLOP/s against a large bf16 matmul. Both ceilings are measured in the same run,
 (`ceilings`: 4.27 TB/s and about 790 TFLOP/s on the H200; 989 is the spec sheet). Timed eagerly with
 `triton.testing.do_bench` (the `grouped_mm` peer syncs on its counts, so no CUDA graph); the weights (~75 GB
 in all) are far bigger than L2, so nothing is served from cache. Last line: MXFP4 vs `torch._grouped_mm` at 64
-tokens (target >= 3x: the 3.76x fewer weight bytes, less the unpack work).
+tokens (target >= 3x: the 3.76x fewer weight bytes, less the unpack work). On Hopper at prefill loads (from
+`_WS_MIN_ROWS` rows an expert) "ours bf16" runs the warp-specialised Gluon kernels (`gluon_moe_ws`), and the rows
+"ours bf16, Triton tiles" and "ours MXFP4, warp-specialised" time the alternatives.
 
     . scripts/device_env.sh && python3 benchmarks/moe.py
     . scripts/device_env.sh && python3 benchmarks/moe.py --sweep --tokens 64 8192   # tile / launch sweep of ours
@@ -42,7 +44,7 @@ import triton
 from ceilings import copy_tbs, matmul_tflops
 
 from k3_kernels.moe.reference import moe_experts
-from k3_kernels.moe.triton_moe import _DEFAULT_CONFIGS, _is_decode, moe_experts_triton
+from k3_kernels.moe.triton_moe import _DEFAULT_CONFIGS, _WS_MIN_ROWS, _is_decode, moe_experts_triton
 from k3_kernels.mxfp4.reference import dequantize_mxfp4
 from k3_kernels.situ.reference import situ_glu
 
@@ -381,6 +383,11 @@ def main():
             paths["ours MXFP4, Gluon"] = lambda: moe_experts_triton(x, top_idx, top_w, **fp4, config={"gluon": True})
             paths["ours MXFP4, Triton"] = lambda: moe_experts_triton(x, top_idx, top_w, **fp4,
                                                                       config={"gluon": False})
+            if N * k >= _WS_MIN_ROWS * E:  # "ours bf16" is the warp-specialised kernels there (`gluon_moe_ws`)
+                paths["ours bf16, Triton tiles"] = lambda: moe_experts_triton(x, top_idx, top_w, gate_up=gate_up,
+                                                                           down=down, config={"ws": False})
+                paths["ours MXFP4, warp-specialised"] = lambda: moe_experts_triton(x, top_idx, top_w, **fp4,
+                                                                                config={"ws": True})
         if N <= args.loop_max_tokens:
             paths["per-expert loop bf16"] = lambda: loop_experts(x, top_idx, top_w, gate_up, down)
         s = slice(0, min(N, 4))  # reference on a few tokens (fp32 over the touched experts)

@@ -26,3 +26,26 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def mxfp4_experts(E, D, I, g, device):
+    """Random MXFP4 experts (w13_packed, w13_scale, w2_packed, w2_scale) with a spread of scales (inputs of very
+    different sizes share no block by accident), on `device`."""
+    import torch
+
+    from k3_kernels.mxfp4.reference import quantize_mxfp4
+
+    w13p, w13s = quantize_mxfp4(torch.randn(E, 2 * I, D, generator=g) * torch.logspace(-3, 1, D))
+    w2p, w2s = quantize_mxfp4(torch.randn(E, D, I, generator=g) * 0.1)
+    return [t.to(device) for t in (w13p, w13s, w2p, w2s)]
+
+
+def moe_routing(N, E, k, g, device, hot=0.0):
+    """top-k routing of N tokens over E experts (weights renormalised); `hot` is added to expert 0's scores, so its
+    assignments fill several tiles."""
+    import torch
+
+    scores = torch.rand(N, E, generator=g)
+    scores[:, 0] += hot
+    top_w, top_idx = scores.topk(k, dim=-1)
+    return top_idx.to(device), (top_w / top_w.sum(-1, keepdim=True)).to(device)

@@ -429,7 +429,14 @@ _GLUON_MIN_ASSIGNMENTS = 32
 # once for 128 rows where the Gluon kernels do for 64, catch up (H100, MXFP4, ms, Gluon vs Triton tiles, twenty-fifth
 # session: 292 an expert (16K tokens) 62.4 vs 69.8; 585 (32K tokens) 120.2 vs 119.3).
 _GLUON_MAX_ROWS = 512
-_CONFIG_KEYS = ("block_m", "reduce", "order", "gluon", "gate_up", "down")
+# bf16 experts run on the warp-specialised Gluon kernels (`gluon_moe_ws`: one unpack or weight copy a K step shared
+# by three 64-token tiles of an expert) by default on Hopper from this many assignments an expert on average (two
+# full tiles; K3 at about 7K tokens). H100, 448 experts, 146 rows an expert (K3's load at 8K tokens), best of 3:
+# 13.78 ms against 15.32 for the Triton tiles (1.11x; every round faster); at 37 rows an expert (one tile) 10.90
+# against 10.36, so below the bound the tiles stay (thirty-seventh session). On MXFP4 experts they are not faster
+# than `gluon_moe` (8K tokens: 30.41 against 29.71 ms), so there only `config={"ws": True}` takes them.
+_WS_MIN_ROWS = 128
+_CONFIG_KEYS = ("block_m", "reduce", "order", "gluon", "ws", "gate_up", "down")
 _KERNEL_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "row_tiles", "tma")
 _REDUCES = ("atomic", "sorted")
 _ORDERS = ("expert", "tile")
@@ -481,6 +488,9 @@ def _resolve_config(config, block_m, *, decode: bool, fp4: bool, D: int, I: int)
         raise ValueError(f"config['gluon'] must be True or False, got {out['gluon']!r}")
     if "gluon" in config and out["gluon"] and not fp4:
         raise ValueError("config['gluon'] = True: the Gluon kernels serve MXFP4 experts only, got bf16 / fp16 weights")
+    out["ws"] = config.get("ws")
+    if out["ws"] is not None and not isinstance(out["ws"], bool):
+        raise ValueError(f"config['ws'] must be True, False or None (by the load), got {out['ws']!r}")
     for kern, k_name, K, N in (("gate_up", "D", D, I), ("down", "I", I, D)):  # K read, N written
         sub = config.get(kern, {})
         if not isinstance(sub, dict):
@@ -533,6 +543,18 @@ def _gluon_unavailable(device: torch.device) -> str | None:
     return None
 
 
+def _ws_unavailable(device: torch.device, fp4: bool, dtype: torch.dtype, D: int, I: int) -> str | None:
+    """Why the warp-specialised Gluon experts (`gluon_moe_ws`) cannot run here, or None if they can."""
+    why = _gluon_unavailable(device)
+    if why is not None:
+        return why
+    if not fp4 and dtype != torch.bfloat16:
+        return f"they take bf16 or MXFP4 experts, got {dtype}"
+    if D % 128 or I % 64:
+        return f"they need the latent width a multiple of 128 and the expert width of 64, got {D} and {I}"
+    return None
+
+
 def _descriptor(t: torch.Tensor, block: list[int]):
     """Host-side TMA descriptor of a 2D row-major tensor (Hopper's bulk tensor copies; the CPU interpreter emulates
     them). TMA needs a 16-byte-aligned base and row stride, so an explicit request that cannot have them raises."""
@@ -566,7 +588,10 @@ def moe_experts_triton(
     (tiles and block_m then do not apply). By default on Hopper from `_GLUON_MIN_ASSIGNMENTS` assignments (from one
     while a CUDA graph is captured) up to `_GLUON_MAX_ROWS` an expert on average (decode and prefill sizes),
     elsewhere the Triton kernels (warning once where Gluon cannot run); an explicit True always uses them and raises
-    where they cannot run (not Hopper, bf16 weights). Unknown keys raise ValueError.
+    where they cannot run (not Hopper, bf16 weights). `ws` (bool or None): the warp-specialised Gluon kernels of
+    `gluon_moe_ws`; None (the default) takes them for bf16 experts on Hopper from `_WS_MIN_ROWS` assignments an
+    expert on average when no other key is given, True always (bf16 or MXFP4; raises where they cannot run), False
+    never. Unknown keys raise ValueError.
     """
     fp4 = w13_packed is not None
     if fp4 == (gate_up is not None):
@@ -595,6 +620,21 @@ def moe_experts_triton(
     cfg = _resolve_config(config, block_m, decode=decode, fp4=fp4, D=D, I=I)
     if N == 0:
         return torch.zeros((0, D), device=x.device, dtype=x.dtype)
+    # by the load unless the call tunes the Triton tiles (any other key)
+    auto_ws = (cfg["ws"] is None and not fp4 and N * k >= _WS_MIN_ROWS * E and block_m is None
+               and set(config or {}) <= {"ws", "gluon"})
+    if cfg["ws"] or auto_ws:
+        why = _ws_unavailable(x.device, fp4, W1.dtype, D, I)
+        if why is None:
+            from .gluon_moe_ws import moe_experts_gluon_ws
+
+            weights = ({"w13_packed": W1, "w13_scale": S1, "w2_packed": W2, "w2_scale": S2} if fp4
+                       else {"gate_up": W1, "down": W2})
+            return moe_experts_gluon_ws(x, top_idx, top_w, **weights, beta=beta, linear_beta=linear_beta)
+        if cfg["ws"]:
+            raise RuntimeError(f"config['ws'] = True: {why}")
+        if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9:
+            _warn_once("moe-ws", f"transformers-k3: experts at prefill sizes use the Triton tiles ({why})")
     explicit = "gluon" in (config or {})
     least = 1 if x.is_cuda and torch.cuda.is_current_stream_capturing() else _GLUON_MIN_ASSIGNMENTS
     if cfg["gluon"] and fp4 and (explicit or least <= N * k <= _GLUON_MAX_ROWS * E):

@@ -9,9 +9,8 @@ products with fp32 accumulation and h rounded to bf16, so rel_err <= 1e-2 agains
 import pytest
 import torch
 
-from helpers import rel_err
+from helpers import moe_routing, mxfp4_experts, rel_err
 from k3_kernels.moe.reference import moe_experts_mxfp4
-from k3_kernels.mxfp4.reference import quantize_mxfp4
 
 pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon")
@@ -22,20 +21,6 @@ from k3_kernels.moe.triton_moe import moe_experts_triton  # noqa: E402
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="Gluon wgmma kernels need a Hopper GPU")
-
-
-def _experts(E, D, I, g):
-    """MXFP4 experts with a spread of scales (inputs of very different sizes share no block by accident)."""
-    w13p, w13s = quantize_mxfp4(torch.randn(E, 2 * I, D, generator=g) * torch.logspace(-3, 1, D))
-    w2p, w2s = quantize_mxfp4(torch.randn(E, D, I, generator=g) * 0.1)
-    return [t.to(DEVICE) for t in (w13p, w13s, w2p, w2s)]
-
-
-def _routing(N, E, k, g, hot=0.0):
-    scores = torch.rand(N, E, generator=g)
-    scores[:, 0] += hot  # a hot expert: its assignments fill several tiles
-    top_w, top_idx = scores.topk(k, dim=-1)
-    return top_idx.to(DEVICE), (top_w / top_w.sum(-1, keepdim=True)).to(DEVICE)
 
 
 @needs_hopper
@@ -50,8 +35,8 @@ def _routing(N, E, k, g, hot=0.0):
 def test_matches_reference(N, E, k, D, I, hot, nt, stages):
     g = torch.Generator().manual_seed(N * D + I)
     x = torch.randn(N, D, generator=g).bfloat16().to(DEVICE)
-    w = _experts(E, D, I, g)
-    top_idx, top_w = _routing(N, E, k, g, hot)
+    w = mxfp4_experts(E, D, I, g, DEVICE)
+    top_idx, top_w = moe_routing(N, E, k, g, DEVICE, hot)
     want = moe_experts_mxfp4(x.float(), top_idx, top_w, *w)
     got = moe_experts_gluon(x, top_idx, top_w, *w, token_slots=nt, stages=stages)
     assert got.dtype == x.dtype and got.shape == x.shape
@@ -68,8 +53,8 @@ def test_k_step_override(k_step, stages):
     N, E, k, D, I = 40, 6, 3, 512, 256
     g = torch.Generator().manual_seed(k_step)
     x = torch.randn(N, D, generator=g).bfloat16().to(DEVICE)
-    w = _experts(E, D, I, g)
-    top_idx, top_w = _routing(N, E, k, g, hot=0.5)
+    w = mxfp4_experts(E, D, I, g, DEVICE)
+    top_idx, top_w = moe_routing(N, E, k, g, DEVICE, hot=0.5)
     got = moe_experts_gluon(x, top_idx, top_w, *w, k_step=k_step, stages=stages)
     assert rel_err(got.float(), moe_experts_mxfp4(x.float(), top_idx, top_w, *w)) <= 1e-2
 
@@ -81,11 +66,11 @@ def test_scale_range():
     N, E, k, D, I = 9, 4, 2, 128, 128
     g = torch.Generator().manual_seed(7)
     x = torch.randn(N, D, generator=g).bfloat16().to(DEVICE)
-    w13p, _, w2p, _ = _experts(E, D, I, g)
+    w13p, _, w2p, _ = mxfp4_experts(E, D, I, g, DEVICE)
     w13s = torch.randint(34, 161, (E, 2 * I, D // 32), generator=g, dtype=torch.uint8).to(DEVICE)
     w2s = torch.randint(34, 161, (E, D, I // 32), generator=g, dtype=torch.uint8).to(DEVICE)
     w13s[..., 0], w2s[..., 0] = 34, 160  # both ends in every row
-    top_idx, top_w = _routing(N, E, k, g)
+    top_idx, top_w = moe_routing(N, E, k, g, DEVICE)
     w = (w13p, w13s, w2p, w2s)
     got = moe_experts_gluon(x, top_idx, top_w, *w).float()
     want = moe_experts_mxfp4(x.float(), top_idx, top_w, *w)
@@ -102,8 +87,8 @@ def test_k3_widths_and_the_triton_entry_point():
     E, k, D, I, N = 12, 4, 3584, 3072, 6
     g = torch.Generator().manual_seed(3)
     x = torch.randn(N, D, generator=g).bfloat16().to(DEVICE)
-    w = _experts(E, D, I, g)
-    top_idx, top_w = _routing(N, E, k, g)
+    w = mxfp4_experts(E, D, I, g, DEVICE)
+    top_idx, top_w = moe_routing(N, E, k, g, DEVICE)
     fp4 = dict(w13_packed=w[0], w13_scale=w[1], w2_packed=w[2], w2_scale=w[3])
     got = moe_experts_triton(x, top_idx, top_w, **fp4, config={"gluon": True})
     assert rel_err(got.float(), moe_experts_mxfp4(x.float(), top_idx, top_w, *w)) <= 1e-2
@@ -121,9 +106,9 @@ def test_cuda_graph_capture():
 
     N, E, k, D, I = 16, 8, 4, 448, 128
     g = torch.Generator().manual_seed(11)
-    w = _experts(E, D, I, g)
+    w = mxfp4_experts(E, D, I, g, DEVICE)
     x = torch.randn(N, D, generator=g).bfloat16().to(DEVICE)
-    top_idx, top_w = _routing(N, E, k, g)
+    top_idx, top_w = moe_routing(N, E, k, g, DEVICE)
     moe_experts_gluon(x, top_idx, top_w, *w)  # compile outside the capture
     gluon_moe._cached_operand_order.cache_clear()
     stream = torch.cuda.Stream()
@@ -178,7 +163,7 @@ def test_tokens_per_tile_and_k_step():
 
 def _tiny_fp4(D=64, I=64, E=2):
     g = torch.Generator().manual_seed(0)
-    w = _experts(E, D, I, g)
+    w = mxfp4_experts(E, D, I, g, DEVICE)
     return dict(w13_packed=w[0], w13_scale=w[1], w2_packed=w[2], w2_scale=w[3])
 
 

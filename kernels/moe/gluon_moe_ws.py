@@ -1,0 +1,350 @@
+"""Routed experts at prefill sizes in Gluon, for Hopper: one weight step shared by three token tiles of an expert.
+
+`gluon_moe`'s MXFP4 kernels unpack an expert's weights once per 64-token tile, in the warps that then multiply (a
+program that reused its unpack for several tiles lost more to registers than it saved, BENCHMARKS.md, thirty-sixth
+session), and the Triton bf16 tiles load each weight tile once per row tile. Here the work is split across
+warpgroups of one program (`gl.warp_specialize`):
+
+- a producer warpgroup fills each ring stage with one K step of 64 inputs: the weights of 64 intermediate columns'
+  gate and up rows (or 128 output rows of down) as bf16 `[128 rows, 64]`, copied (bf16 experts) or unpacked once
+  from MXFP4 words loaded two steps ahead, and the token tiles of the step (`cp.async`, gathered through the sorted
+  assignment ids);
+- three consumer warpgroups each take one 64-token tile of the expert and issue `wgmma m64n128k16` with the tile as
+  the left and the weights as the right operand, both from shared memory, asynchronously;
+- mbarriers hand the stages over: `ready` (the producer's one arrival once its copies have landed and its stores
+  are fenced), `empty` (each consumer's arrival once the product that read the stage has retired).
+
+The unpacked weights land in shared memory in the inputs' natural order (the register permutation that `gluon_moe`
+leaves in its operand is undone for free as a reshape of the unpacked values), so tokens and h need no reordering;
+the gate and up rows are interleaved (row 2 i + p: p = 0 gate, 1 up), so each thread's accumulator holds the pairs
+SiTU-GLU combines.
+
+A persistent grid (one program an SM) walks the (token group, column block) work list: a group is up to three
+consecutive tiles of one expert (`_tile_groups`). Consumers without a tile in the group still take part in the
+hand-overs. H100 (thirty-seventh session): bf16 experts at K3's 146 rows an expert 1.11x the Triton tiles; MXFP4 at
+8K tokens no faster than `gluon_moe` (30.41 against 29.71 ms: the one producer warpgroup's unpack sets the pace).
+Gluon kernels do not run under `TRITON_INTERPRET`; tested on the GPU against the torch reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ..gluon_compat import async_load, thread_barrier
+from .gluon_moe import _E2M1_WORDS_TO_BF16, UNSCALE, _sigmoid, _tanh
+from .triton_moe import _align
+
+__all__ = ["moe_experts_gluon_ws"]
+
+G = gl.constexpr(3)  # consumer warpgroups: token tiles of a group
+BT = gl.constexpr(64)  # token slots a tile (wgmma M)
+BK = gl.constexpr(64)  # inputs a K step (one 32-byte packed block a row)
+
+
+@gluon.jit
+def _unpack_half(words, sb):
+    """words int32 `[64, 1, 4, 2]` (row, block, c, word), sb `[64, 1, 4]` E8M0 bytes -> bf16 `[64, 64]` in natural
+    input order, times 2^-32 (see `gluon_moe`)."""
+    r = gl.inline_asm_elementwise(_E2M1_WORDS_TO_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words],
+                                  dtype=(gl.bfloat16,) * 8, is_pure=True, pack=2)
+    sc = ((gl.minimum(sb.to(gl.int32), 161) + 94) << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
+    sc = gl.expand_dims(sc, 3)
+    w = gl.join(gl.join(gl.join(r[0] * sc, r[1] * sc), gl.join(r[2] * sc, r[3] * sc)),
+                gl.join(gl.join(r[4] * sc, r[5] * sc), gl.join(r[6] * sc, r[7] * sc)))  # [64, 1, c, q, h, t0, t1]
+    # input 16 c + 8 t1 + 4 q + 2 t0 + h of the block (o = 4 t1 + 2 t0 + h; `gluon_moe`'s module doc)
+    return gl.reshape(gl.permute(w, (0, 1, 2, 6, 3, 5, 4)), [64, 64])
+
+
+@gluon.jit
+def _word_ptrs(W, WS, row_a, row_b, KW, KS, WL: gl.constexpr):
+    """Pointers to K step 0 of 64 rows from row_a and 64 from row_b (int64 row indices of W viewed as int32 words
+    `[rows, KW]`, scales `[rows, KS]` bytes) in the unpack's layouts."""
+    L3: gl.constexpr = gl.SliceLayout(3, WL)
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+    c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    q = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WL))))
+    rw = gl.expand_dims(gl.expand_dims(gl.expand_dims(r, 1), 2), 3)
+    col = (gl.expand_dims(gl.expand_dims(gl.expand_dims(c, 0), 1), 3) * 2
+           + gl.expand_dims(gl.expand_dims(gl.expand_dims(q, 0), 1), 2))
+    Wi = W.to(gl.pointer_type(gl.int32))
+    wa = Wi + (row_a + rw) * KW + col
+    wb = Wi + (row_b + rw) * KW + col
+    rs = gl.expand_dims(gl.expand_dims(r, 1), 2)
+    cs = gl.expand_dims(gl.expand_dims(c // 2, 0), 1)
+    return wa, wb, WS + (row_a + rs) * KS + cs, WS + (row_b + rs) * KS + cs
+
+
+@gluon.jit
+def _load_words(ptrs, k):
+    """K step k's words and scales of both 64-row halves (`_word_ptrs`' pointers at step 0)."""
+    wa_ptr, wb_ptr, sa_ptr, sb_ptr = ptrs
+    return (gl.load(wa_ptr + k * (BK // 8)), gl.load(wb_ptr + k * (BK // 8)), gl.load(sa_ptr + k * (BK // 32)),
+            gl.load(sb_ptr + k * (BK // 32)))
+
+
+@gluon.jit
+def _group(GROUPS, BLOCK_EXPERT, w, NB, tiles):
+    """Work item w: its group's first tile, expert, column block and how many of the group's G tiles are real."""
+    t = gl.load(GROUPS + w // NB)
+    e = gl.load(BLOCK_EXPERT + t)
+    n_t = 1
+    for j in gl.static_range(1, G):
+        same = (t + j < tiles) & (gl.load(BLOCK_EXPERT + gl.minimum(t + j, tiles - 1)) == e)
+        n_t += (same & (n_t == j)).to(gl.int32)
+    return t, e, w % NB, n_t
+
+
+@gluon.jit
+def _tile_src(SORTED, t, J: gl.constexpr, n_t, num_assign, top_k, K, GATE: gl.constexpr, XL: gl.constexpr):
+    """Row offsets `[64, 1]` (int64, elements) and mask of tile t + J's token rows in the product's input: x rows
+    gathered through the sorted assignment ids (gate_up), or the tile's own rows of h (down)."""
+    rows = (t + J) * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, XL))
+    if GATE:
+        assign = gl.load(SORTED + rows, mask=(rows >= 0) & (J < n_t), other=num_assign)  # J < n_t as a row mask
+        ok = assign < num_assign
+        return gl.expand_dims((gl.where(ok, assign, 0) // top_k).to(gl.int64) * K, 1), gl.expand_dims(ok, 1)
+    else:
+        return gl.expand_dims(rows.to(gl.int64) * K, 1), gl.expand_dims((rows >= 0) & (J < n_t), 1)
+
+
+@gluon.jit
+def _fill(X, W, x_ring, w_ring, empty, n, k, cols, w_off, o0, m0, o1, m1, o2, m2, FP4: gl.constexpr,
+          STAGES: gl.constexpr):
+    """Start the copies of K step k (the producer's step n, counted over its work items) into stage n % STAGES once
+    the consumers have handed it back: the group's three token tiles (masked rows: zeros), and bf16 weight rows."""
+    st = n % STAGES
+    # a fresh mbarrier counts as having completed the phase before phase 0, so the first lap does not wait
+    mbarrier.wait(empty.index(st), ((n // STAGES) & 1) ^ 1)
+    async_load(x_ring.index(st * G + 0), X + o0 + (k * BK + cols), mask=m0)
+    async_load(x_ring.index(st * G + 1), X + o1 + (k * BK + cols), mask=m1)
+    async_load(x_ring.index(st * G + 2), X + o2 + (k * BK + cols), mask=m2)
+    if not FP4:
+        async_load(w_ring.index(st), W + w_off + (k * BK + cols))
+
+
+@gluon.jit
+def _producer(X, W, WS, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, tiles, num_assign,
+              top_k, K, NB, ROWS_E, HALF, KW, KS, FP4: gl.constexpr, GATE: gl.constexpr, STAGES: gl.constexpr,
+              PRE: gl.constexpr, WDEPTH: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr):
+    """Per K step: the token tiles' copies (and, for bf16 experts, the weight rows', row 2 i + p of a stage from half
+    p's row i) PRE steps ahead; MXFP4 words WDEPTH steps ahead in registers, unpacked into the step's stage."""
+    n_k = K // BK
+    total = gl.load(NGROUPS) * NB
+    it = 0
+    r = gl.arange(0, 128, layout=gl.SliceLayout(1, XL))
+    for w in range(gl.program_id(0), total, gl.num_programs(0)):
+        t, e, nb, n_t = _group(GROUPS, BLOCK_EXPERT, w, NB, tiles)
+        if GATE:  # gate rows n0.. and up rows I + n0.. of expert e (W `[E, 2 I, D(/2)]`)
+            row_a = e.to(gl.int64) * ROWS_E + nb * 64
+            row_b = row_a + HALF
+        else:  # output rows d0.. and d0 + 64.. (W `[E, D, I(/2)]`)
+            row_a = e.to(gl.int64) * ROWS_E + nb * 128
+            row_b = row_a + 64
+        # The token rows of the group's tiles: gathered x rows (gate_up) or the tiles' own h rows (down).
+        cols = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))[None, :]
+        o0, m0 = _tile_src(SORTED, t, 0, n_t, num_assign, top_k, K, GATE, XL)
+        o1, m1 = _tile_src(SORTED, t, 1, n_t, num_assign, top_k, K, GATE, XL)
+        o2, m2 = _tile_src(SORTED, t, 2, n_t, num_assign, top_k, K, GATE, XL)
+        w_off = gl.expand_dims((gl.where(r % 2 == 0, row_a, row_b) + r // 2) * K, 1)  # bf16 rows `[128, 1]`
+        for p in gl.static_range(PRE):
+            if p < n_k:
+                _fill(X, W, x_ring, w_ring, empty, it + p, p, cols, w_off, o0, m0, o1, m1, o2, m2, FP4, STAGES)
+            cp.commit_group()
+        if FP4:
+            ptrs = _word_ptrs(W, WS, row_a, row_b, KW, KS, WL)
+            wa, wb, sa, sb = _load_words(ptrs, 0)
+            wa1, wb1, sa1, sb1 = _load_words(ptrs, gl.minimum(WDEPTH - 1, n_k - 1))  # WDEPTH 2: step 1's too
+        for ks in range(n_k):
+            if FP4:
+                # words WDEPTH steps ahead, in flight during the unpacks
+                wa_n, wb_n, sa_n, sb_n = _load_words(ptrs, gl.minimum(ks + WDEPTH, n_k - 1))
+            if ks + PRE < n_k:
+                _fill(X, W, x_ring, w_ring, empty, it + PRE, ks + PRE, cols, w_off, o0, m0, o1, m1, o2, m2, FP4,
+                      STAGES)
+            cp.commit_group()
+            st = it % STAGES
+            if FP4:
+                ua = _unpack_half(wa, sa)
+                ub = _unpack_half(wb, sb)
+                wt = gl.reshape(gl.permute(gl.join(ua, ub), (0, 2, 1)), [128, BK])  # row 2 i + p: half p's row i
+                w_ring.index(st).store(wt)  # free: its `empty` phase was awaited when its token copies were issued
+                if WDEPTH == 2:
+                    wa, wb, sa, sb = wa1, wb1, sa1, sb1
+                    wa1, wb1, sa1, sb1 = wa_n, wb_n, sa_n, sb_n
+                else:
+                    wa, wb, sa, sb = wa_n, wb_n, sa_n, sb_n
+            cp.wait_group(PRE)  # this thread's copies of step ks have landed,
+            fence_async_shared()  # they and the stores are visible to wgmma's async proxy,
+            thread_barrier()  # for every producer thread (a named barrier of this warpgroup)
+            mbarrier.arrive(ready.index(st))
+            it += 1
+        cp.wait_group(0)
+
+
+@gluon.jit
+def _consumer(H, OUT, TOPW, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, tiles, num_assign,
+              top_k, K, NB, I, D, beta, linear_beta, J: gl.constexpr, GATE: gl.constexpr, STAGES: gl.constexpr,
+              FP4: gl.constexpr, ACC: gl.constexpr, OL: gl.constexpr):
+    n_k = K // BK
+    total = gl.load(NGROUPS) * NB
+    it = 0
+    for w in range(gl.program_id(0), total, gl.num_programs(0)):
+        t, _, nb, n_t = _group(GROUPS, BLOCK_EXPERT, w, NB, tiles)
+        if J < n_t:
+            acc = gl.zeros([BT, 128], gl.float32, ACC)
+            for ks in range(n_k):
+                st = it % STAGES
+                mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+                acc = warpgroup_mma(x_ring.index(st * G + J), w_ring.index(st).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(1, deps=(acc, ))
+                # the previous step's product has retired: its stage goes back
+                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=ks > 0)
+                it += 1
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+            if FP4:
+                acc = acc * UNSCALE
+            tile = t + J
+            if GATE:
+                g, u = gl.split(gl.reshape(acc, [BT, 64, 2]))
+                h = beta * _tanh(g / beta) * _sigmoid(g) * (linear_beta * _tanh(u / linear_beta))
+                h = gl.convert_layout(h.to(gl.bfloat16), OL)
+                rows = (tile * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, OL))).to(gl.int64)
+                cols = nb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, OL))
+                gl.store(H + rows[:, None] * I + cols[None, :], h)
+            else:
+                assign = gl.load(SORTED + tile * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, ACC)))
+                valid = assign < num_assign
+                token = (gl.where(valid, assign, 0) // top_k).to(gl.int64)
+                wt = gl.load(TOPW + assign, mask=valid, other=0.0)
+                c = gl.arange(0, 128, layout=gl.SliceLayout(0, ACC))
+                d = nb * 128 + (c % 2) * 64 + c // 2  # column 2 i + p: row d0 + 64 p + i of the weights
+                gl.atomic_add(OUT + token[:, None] * D + d[None, :], acc * wt[:, None], mask=valid[:, None],
+                              sem="relaxed")
+        else:
+            for ks in range(n_k):
+                st = it % STAGES
+                mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+                mbarrier.arrive(empty.index(st))
+                it += 1
+
+
+@gluon.jit
+def _ws_experts(X, W, WS, H, OUT, TOPW, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, tiles, num_assign, top_k, K, NB,
+                ROWS_E, HALF, KW, KS, I, D, beta, linear_beta, FP4: gl.constexpr, GATE: gl.constexpr,
+                STAGES: gl.constexpr, PRE: gl.constexpr, WDEPTH: gl.constexpr, ACC: gl.constexpr, WL: gl.constexpr,
+                XL: gl.constexpr, OL: gl.constexpr, X_SMEM: gl.constexpr, W_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                PRODUCER_REGS: gl.constexpr):
+    """gate_up (GATE): H[tile rows, 64 columns of block nb] = SiTU-GLU(x W_gate^T, x W_up^T); down: OUT[token,
+    128 columns] += routing weight * (h W_down^T). Grid: programs walking the work list of NGROUPS[0] x NB items."""
+    x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES * G, BT, BK], X_SMEM)
+    w_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, BK], W_SMEM)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=G)
+    gl.warp_specialize([
+        (_consumer, (H, OUT, TOPW, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, tiles,
+                     num_assign, top_k, K, NB, I, D, beta, linear_beta, 0, GATE, STAGES, FP4, ACC, OL)),
+        (_consumer, (H, OUT, TOPW, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, tiles,
+                     num_assign, top_k, K, NB, I, D, beta, linear_beta, 1, GATE, STAGES, FP4, ACC, OL)),
+        (_consumer, (H, OUT, TOPW, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, tiles,
+                     num_assign, top_k, K, NB, I, D, beta, linear_beta, 2, GATE, STAGES, FP4, ACC, OL)),
+        (_producer, (X, W, WS, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, tiles, num_assign,
+                     top_k, K, NB, ROWS_E, HALF, KW, KS, FP4, GATE, STAGES, PRE, WDEPTH, WL, XL)),
+    ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+
+
+@functools.lru_cache(maxsize=None)
+def _constexprs(stages: int, pre: int, wdepth: int, consumer_regs: int, producer_regs: int) -> dict:
+    acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
+    # the words `[64 rows, 1 block, 4 (c), 2]` as `gluon_moe` unpacks them (S = 1)
+    wl = gl.DistributedLinearLayout(reg_bases=[[0, 0, 0, 1], [8, 0, 0, 0]],
+                                    lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+                                    warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[64, 1, 4, 2])
+    return dict(STAGES=stages, PRE=pre, WDEPTH=wdepth, ACC=acc, WL=wl,
+                XL=gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]),  # 16-byte copies, a warp 4 rows x 128 bytes
+                OL=gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]),
+                X_SMEM=gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16),
+                W_SMEM=gl.NVMMASharedLayout.get_default_for([128, 64], gl.bfloat16),
+                CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs)
+
+
+def _tile_groups(block_expert: torch.Tensor, run_end: torch.Tensor, run_len: torch.Tensor):
+    """Groups of up to G consecutive tiles of one expert, without a host sync: (GROUPS [tiles + 1] int32, the first
+    tile of each group in order; NGROUPS [1] int32)."""
+    tiles = block_expert.numel()
+    idx = torch.arange(tiles, device=block_expert.device)
+    e = block_expert.long()
+    real = e >= 0
+    first = torch.where(real, (run_end - run_len)[e.clamp(min=0)] // 64, 0)
+    start = real & ((idx - first) % G.value == 0)
+    gid = torch.cumsum(start, 0) - 1
+    groups = torch.zeros(tiles + 1, dtype=torch.int32, device=block_expert.device)
+    groups.scatter_(0, torch.where(start, gid, tiles), idx.to(torch.int32))
+    return groups, start.sum().to(torch.int32).reshape(1)
+
+
+def _programs(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def moe_experts_gluon_ws(x, top_idx, top_w, w13_packed=None, w13_scale=None, w2_packed=None, w2_scale=None, *,
+                         gate_up=None, down=None, beta: float = 4.0, linear_beta: float = 25.0, stages: int = 4,
+                         pre: int = 2, wdepth: int = 2, consumer_regs: int = 112, producer_regs: int = 160):
+    """x `[N, D]` -> `[N, D]` on MXFP4 experts in the released layout (as `gluon_moe.moe_experts_gluon`), or on bf16
+    experts (`gate_up` `[E, 2 I, D]`, `down` `[E, D, I]`); Hopper only. `stages` ring stages (40 KB each), `pre` K
+    steps the copies run ahead (< stages), `wdepth` K steps the packed words are loaded ahead (1 or 2)."""
+    fp4 = w13_packed is not None
+    if fp4 == (gate_up is not None):
+        raise ValueError("moe_experts_gluon_ws: pass either w13_packed/w13_scale/w2_packed/w2_scale or gate_up/down")
+    if fp4:
+        E, two_i, D = w13_packed.shape[0], w13_packed.shape[1], 2 * w13_packed.shape[2]
+        W1, S1, W2, S2 = w13_packed, w13_scale, w2_packed, w2_scale
+    else:
+        E, two_i, D = gate_up.shape
+        if gate_up.dtype != torch.bfloat16 or down.dtype != torch.bfloat16:
+            raise ValueError(f"moe_experts_gluon_ws: dense experts must be bf16, got {gate_up.dtype} / {down.dtype}")
+        W1, W2 = gate_up.contiguous(), down.contiguous()
+        S1, S2 = W1, W2  # unused
+    I = two_i // 2
+    if D % 128 or I % 64:
+        raise ValueError(f"moe_experts_gluon_ws: the latent width must be a multiple of 128 and the expert width of "
+                         f"64, got {D} and {I}")
+    # A consumer hands stage j back once it has issued step j + 1, and the producer waits for step ks + pre - stages
+    # to be handed back before it fills step ks: pre > stages - 2 deadlocks (seen on the GPU with stages 2, pre 1).
+    if not 1 <= pre <= stages - 2:
+        raise ValueError(f"moe_experts_gluon_ws: pre must be in [1, stages - 2], got {pre} with {stages} stages")
+    if wdepth not in (1, 2):
+        raise ValueError(f"moe_experts_gluon_ws: wdepth must be 1 or 2, got {wdepth}")
+    N, k = top_idx.shape
+    if N == 0:
+        return torch.zeros((0, D), device=x.device, dtype=x.dtype)
+    sorted_ids, block_expert, tiles, run_end, run_len = _align(top_idx, E, 64)
+    groups, n_groups = _tile_groups(block_expert, run_end, run_len)
+    hbuf = torch.empty((tiles * 64, I), device=x.device, dtype=torch.bfloat16)
+    out = torch.zeros((N, D), device=x.device, dtype=torch.float32)
+    topw = top_w.reshape(-1).float().contiguous()
+    cex = dict(_constexprs(stages, pre, wdepth, consumer_regs, producer_regs), FP4=fp4)
+    grid = (_programs(x.device),)
+    xb = x.to(torch.bfloat16).contiguous()
+    # gate_up: K = D, I / 64 column blocks of 64 gate + 64 up rows (the up rows I further); down: K = I, D / 128
+    _ws_experts[grid](xb, W1, S1, hbuf, out, topw, sorted_ids, groups, block_expert, n_groups, tiles, N * k, k, D,
+                      I // 64, two_i, I, D // 8, D // 32, I, D, beta, linear_beta, GATE=True, **cex, num_warps=4,
+                      enable_fp_fusion=True)
+    _ws_experts[grid](hbuf, W2, S2, hbuf, out, topw, sorted_ids, groups, block_expert, n_groups, tiles, N * k, k, I,
+                      D // 128, D, 64, I // 8, I // 32, I, D, beta, linear_beta, GATE=False, **cex, num_warps=4,
+                      enable_fp_fusion=True)
+    return out.to(x.dtype)
