@@ -196,6 +196,9 @@ def _producer(X, W, WS, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, r
 def _consumer(H, OUT, TOPW, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, tiles, num_assign,
               top_k, K, NB, I, D, beta, linear_beta, J: gl.constexpr, GATE: gl.constexpr, STAGES: gl.constexpr,
               FP4: gl.constexpr, ACC: gl.constexpr, OL: gl.constexpr):
+    """Consumer J: tile J of each work item's group times every K step's weights, one product in flight, then the
+    epilogue (gate_up: SiTU-GLU into h; down: the routing weight and relaxed atomic adds into OUT). Without a tile J
+    in the group it only hands the stages back."""
     n_k = K // BK
     total = gl.load(NGROUPS) * NB
     it = 0
