@@ -269,11 +269,30 @@ def _fused_cases():
         yield f"gated norm {dtype}", lambda: gated_rms_norm_triton(o, o, torch.ones(128), 1e-5)
 
 
-def _gluon_moe_cases():
-    """The Gluon MXFP4 decode kernels (Hopper only, so no CPU wrapper call reaches them): compiled directly at K3's
-    widths and the other K-step sizes, for each tokens-a-tile and ring depth."""
+def _compile_gluon(fn, cex, type_of, div16, key_names, num_warps, case):
+    """Compile a Gluon kernel for sm_90 directly (Hopper only, so no CPU wrapper call reaches it) and record its
+    status under a key like the Triton launches': `type_of(name)` gives each non-constexpr argument's type; pointers
+    and the `div16` integers (K3's widths and row strides) are declared multiples of 16, as the launcher specialises
+    them."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    params = list(inspect.signature(fn.fn).parameters)
+    signature = {p: "constexpr" if p in cex else type_of(p) for p in params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
+             if signature[p].startswith("*") or p in div16}
+    key = (f"{fn.fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}",
+           tuple(sorted((k, str(v)) for k, v in cex.items() if k in key_names)), (("num_warps", num_warps),))
+    try:
+        kernel = triton.compile(GluonASTSource(fn, signature, cex, attrs), target=TARGET,
+                                options={"num_warps": num_warps, "enable_fp_fusion": True})
+        compiled[key] = _status(key[0], kernel, case)
+    except Exception as exc:  # noqa: BLE001 - reported like the Triton kernels' failures
+        compiled[key] = f"FAILED: {type(exc).__name__}: {exc}"
+
+
+def _gluon_moe_cases():
+    """The Gluon MXFP4 decode kernels: K3's widths and the other K-step sizes, for each tokens-a-tile and ring
+    depth."""
     from k3_kernels.moe import gluon_moe
 
     common = dict(W="*u8", WS="*u8", SORTED="*i32", BLOCK_EXPERT="*i32", num_assign="i32", top_k="i32", D="i32",
@@ -285,20 +304,8 @@ def _gluon_moe_cases():
         cex = gluon_moe._constexprs(nt, s, stages)
         if fn is gluon_moe._down:
             cex = dict(cex, **gluon_moe._down_constexprs(nt))
-        params = list(inspect.signature(fn.fn).parameters)
-        signature = {p: types.get(p, "constexpr") for p in params}
-        # D, I (multiples of 64) and the row strides as at K3's widths: multiples of 16, which the launcher specialises
-        attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
-                 if signature[p].startswith("*") or p in ("D", "I", "DW", "DS", "IW", "IS")}
-        key = (f"gluon_moe.{fn.__name__}",
-               tuple(sorted((k, str(v)) for k, v in cex.items() if k in ("NT", "S", "STAGES"))),
-               (("num_warps", 4),))
-        try:
-            kernel = triton.compile(GluonASTSource(fn, signature, cex, attrs), target=TARGET,
-                                    options={"num_warps": 4, "enable_fp_fusion": True})
-            compiled[key] = _status(key[0], kernel, f"NT={nt} S={s} stages={stages}")
-        except Exception as exc:  # noqa: BLE001 - reported like the Triton kernels' failures
-            compiled[key] = f"FAILED: {type(exc).__name__}: {exc}"
+        _compile_gluon(fn, cex, types.__getitem__, ("D", "I", "DW", "DS", "IW", "IS"), ("NT", "S", "STAGES"), 4,
+                       f"NT={nt} S={s} stages={stages}")
 
     for fn, types in kernels:
         for nt in (8, 16, 32, 64):
@@ -309,33 +316,19 @@ def _gluon_moe_cases():
 
 
 def _gluon_moe_ws_cases():
-    """The warp-specialised Gluon experts (prefill sizes, Hopper only): MXFP4 and bf16 weights, gate_up and down, the
-    default ring and the other depths the tests launch."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
+    """The warp-specialised Gluon experts (prefill sizes): MXFP4 and bf16 weights, gate_up and down, the default ring
+    and the other depths the tests launch."""
     from k3_kernels.moe import gluon_moe_ws
 
-    fn = gluon_moe_ws._ws_experts
     types = dict(X="*bf16", H="*bf16", OUT="*fp32", TOPW="*fp32", SORTED="*i32", GROUPS="*i32", BLOCK_EXPERT="*i32",
                  NGROUPS="*i32", beta="fp32", linear_beta="fp32")
 
     def run(fp4, gate, stages, pre, wdepth):
         cex = dict(gluon_moe_ws._constexprs(stages, pre, wdepth, 112, 160), FP4=fp4, GATE=gate)
-        params = list(inspect.signature(fn.fn).parameters)
         w = "*u8" if fp4 else "*bf16"
-        signature = {p: types.get(p, w if p in ("W", "WS") else "constexpr" if p in cex else "i32") for p in params}
-        # K3's widths and row strides: multiples of 16, which the launcher specialises
-        attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
-                 if signature[p].startswith("*") or p in ("K", "ROWS_E", "HALF", "KW", "I", "D")}
-        key = ("gluon_moe_ws._ws_experts", tuple(sorted((k, str(v)) for k, v in cex.items()
-                                                        if k in ("FP4", "GATE", "STAGES", "PRE", "WDEPTH"))),
-               (("num_warps", 4),))
-        try:
-            kernel = triton.compile(GluonASTSource(fn, signature, cex, attrs), target=TARGET,
-                                    options={"num_warps": 4, "enable_fp_fusion": True})
-            compiled[key] = _status(key[0], kernel, f"FP4={fp4} GATE={gate} stages={stages} pre={pre}")
-        except Exception as exc:  # noqa: BLE001 - reported like the Triton kernels' failures
-            compiled[key] = f"FAILED: {type(exc).__name__}: {exc}"
+        _compile_gluon(gluon_moe_ws._ws_experts, cex, lambda p: types.get(p, w if p in ("W", "WS") else "i32"),
+                       ("K", "ROWS_E", "HALF", "KW", "I", "D"), ("FP4", "GATE", "STAGES", "PRE", "WDEPTH"), 4,
+                       f"FP4={fp4} GATE={gate} stages={stages} pre={pre}")
 
     for fp4 in (True, False):
         for gate in (True, False):
@@ -345,33 +338,19 @@ def _gluon_moe_ws_cases():
 
 
 def _gluon_mla_cases():
-    """The Gluon MLA split kernel (Hopper only): K3's shapes, each tile width and ring depth, with and without the
-    mask, one split or several."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
+    """The Gluon MLA split kernel: K3's shapes, each tile width and ring depth, with and without the mask, one split
+    or several."""
     from k3_kernels.mla import gluon_decode
 
-    fn = gluon_decode._mla_split_gluon
     types = dict(Q="*bf16", QPE="*bf16", POOL="*bf16", BT="*i32", LENS="*i32", MASK="*u8", O="*bf16",
                  PART_O="*fp32", PART_LSE="*fp32", qk_scale_log2="fp32")
+    # the strides of K3's q, pool and out, H = 96
+    div16 = ("H", "s_qb", "s_qt", "s_qh", "s_pb", "s_pt", "s_ph", "s_pool_p", "s_pool_s", "s_ob", "s_ot", "s_oh")
 
     def run(block_n, stages, has_mask, one):
         cex = dict(gluon_decode._constexprs(block_n, stages, 64, torch.bfloat16), HAS_MASK=has_mask, ONE_SPLIT=one)
-        params = list(inspect.signature(fn.fn).parameters)
-        signature = {p: types.get(p, "constexpr" if p in cex else "i32") for p in params}
-        # the strides of K3's q, pool and out (multiples of 16, which the launcher specialises), H = 96
-        div16 = ("H", "s_qb", "s_qt", "s_qh", "s_pb", "s_pt", "s_ph", "s_pool_p", "s_pool_s", "s_ob", "s_ot", "s_oh")
-        attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
-                 if signature[p].startswith("*") or p in div16}
-        key = ("gluon_decode._mla_split_gluon", (("BLOCK_N", str(block_n)), ("HAS_MASK", str(has_mask)),
-                                                 ("ONE_SPLIT", str(one)), ("STAGES", str(stages))),
-               (("num_warps", 8),))
-        try:
-            kernel = triton.compile(GluonASTSource(fn, signature, cex, attrs), target=TARGET,
-                                    options={"num_warps": 8, "enable_fp_fusion": True})
-            compiled[key] = _status(key[0], kernel, f"BLOCK_N={block_n} STAGES={stages}")
-        except Exception as exc:  # noqa: BLE001 - reported like the Triton kernels' failures
-            compiled[key] = f"FAILED: {type(exc).__name__}: {exc}"
+        _compile_gluon(gluon_decode._mla_split_gluon, cex, lambda p: types.get(p, "i32"), div16,
+                       ("BLOCK_N", "HAS_MASK", "ONE_SPLIT", "STAGES"), 8, f"BLOCK_N={block_n} STAGES={stages}")
 
     for block_n, stages in ((64, 2), (32, 2), (32, 3)):
         for has_mask, one in ((False, False), (True, False), (False, True)):

@@ -304,12 +304,22 @@ def _programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def unsupported(fp4: bool, dtypes, D: int, I: int) -> str | None:
+    """Why these kernels cannot take experts of this format (`dtypes`: of the dense weights), latent width D and
+    expert width I, or None if they can."""
+    if not fp4 and any(d != torch.bfloat16 for d in dtypes):
+        return f"they take bf16 or MXFP4 experts, got {' / '.join(map(str, dtypes))}"
+    if D % 128 or I % 64:
+        return f"they need the latent width a multiple of 128 and the expert width of 64, got {D} and {I}"
+    return None
+
+
 def moe_experts_gluon_ws(x, top_idx, top_w, w13_packed=None, w13_scale=None, w2_packed=None, w2_scale=None, *,
                          gate_up=None, down=None, beta: float = 4.0, linear_beta: float = 25.0, stages: int = 4,
                          pre: int = 2, wdepth: int = 2, consumer_regs: int = 112, producer_regs: int = 160):
     """x `[N, D]` -> `[N, D]` on MXFP4 experts in the released layout (as `gluon_moe.moe_experts_gluon`), or on bf16
     experts (`gate_up` `[E, 2 I, D]`, `down` `[E, D, I]`); Hopper only. `stages` ring stages (40 KB each), `pre` K
-    steps the copies run ahead (< stages), `wdepth` K steps the packed words are loaded ahead (1 or 2)."""
+    steps the copies run ahead (at most stages - 2), `wdepth` K steps the packed words are loaded ahead (1 or 2)."""
     fp4 = w13_packed is not None
     if fp4 == (gate_up is not None):
         raise ValueError("moe_experts_gluon_ws: pass either w13_packed/w13_scale/w2_packed/w2_scale or gate_up/down")
@@ -318,14 +328,12 @@ def moe_experts_gluon_ws(x, top_idx, top_w, w13_packed=None, w13_scale=None, w2_
         W1, S1, W2, S2 = w13_packed, w13_scale, w2_packed, w2_scale
     else:
         E, two_i, D = gate_up.shape
-        if gate_up.dtype != torch.bfloat16 or down.dtype != torch.bfloat16:
-            raise ValueError(f"moe_experts_gluon_ws: dense experts must be bf16, got {gate_up.dtype} / {down.dtype}")
         W1, W2 = gate_up.contiguous(), down.contiguous()
         S1, S2 = W1, W2  # unused
     I = two_i // 2
-    if D % 128 or I % 64:
-        raise ValueError(f"moe_experts_gluon_ws: the latent width must be a multiple of 128 and the expert width of "
-                         f"64, got {D} and {I}")
+    why = unsupported(fp4, (W1.dtype, W2.dtype), D, I)
+    if why is not None:
+        raise ValueError(f"moe_experts_gluon_ws: {why}")
     # A consumer hands stage j back once it has issued step j + 1, and the producer waits for step ks + pre - stages
     # to be handed back before it fills step ks: pre > stages - 2 deadlocks (seen on the GPU with stages 2, pre 1).
     if not 1 <= pre <= stages - 2:

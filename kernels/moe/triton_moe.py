@@ -543,16 +543,14 @@ def _gluon_unavailable(device: torch.device) -> str | None:
     return None
 
 
-def _ws_unavailable(device: torch.device, fp4: bool, dtype: torch.dtype, D: int, I: int) -> str | None:
+def _ws_unavailable(device: torch.device, fp4: bool, dtypes, D: int, I: int) -> str | None:
     """Why the warp-specialised Gluon experts (`gluon_moe_ws`) cannot run here, or None if they can."""
     why = _gluon_unavailable(device)
     if why is not None:
         return why
-    if not fp4 and dtype != torch.bfloat16:
-        return f"they take bf16 or MXFP4 experts, got {dtype}"
-    if D % 128 or I % 64:
-        return f"they need the latent width a multiple of 128 and the expert width of 64, got {D} and {I}"
-    return None
+    from .gluon_moe_ws import unsupported
+
+    return unsupported(fp4, dtypes, D, I)
 
 
 def _descriptor(t: torch.Tensor, block: list[int]):
@@ -624,7 +622,7 @@ def moe_experts_triton(
     auto_ws = (cfg["ws"] is None and not fp4 and N * k >= _WS_MIN_ROWS * E and block_m is None
                and set(config or {}) <= {"ws", "gluon"})
     if cfg["ws"] or auto_ws:
-        why = _ws_unavailable(x.device, fp4, W1.dtype, D, I)
+        why = _ws_unavailable(x.device, fp4, (W1.dtype, W2.dtype), D, I)
         if why is None:
             from .gluon_moe_ws import moe_experts_gluon_ws
 
