@@ -12,7 +12,8 @@ TFLOP/s against a large bf16 matmul. Both ceilings are measured in the same run,
 in all) are far bigger than L2, so nothing is served from cache. Last line: MXFP4 vs `torch._grouped_mm` at 64
 tokens (target >= 3x: the 3.76x fewer weight bytes, less the unpack work). On Hopper at prefill loads (from
 `_WS_MIN_ROWS` rows an expert) "ours bf16" runs the warp-specialised Gluon kernels (`gluon_moe_ws`), and the rows
-"ours bf16, Triton tiles" and "ours MXFP4, warp-specialised" time the alternatives.
+"ours bf16, Triton tiles", "ours MXFP4, warp-specialised" and "ours bf16, warp-specialised, TMA weights" (the
+opt-in `w_stages` launch) time the alternatives.
 
     . scripts/device_env.sh && python3 benchmarks/moe.py
     . scripts/device_env.sh && python3 benchmarks/moe.py --sweep --tokens 64 8192   # tile / launch sweep of ours
@@ -379,6 +380,8 @@ def main():
             "torch._grouped_mm bf16": lambda: grouped_mm_experts(x, top_idx, top_w, gate_up, down),
         }
         if dev == "cuda" and torch.cuda.get_device_capability()[0] == 9:
+            from k3_kernels.moe.gluon_moe_ws import moe_experts_gluon_ws
+
             # The Gluon W4A16 kernels (`k3_kernels.moe.gluon_moe`), and the Triton ones they replace.
             paths["ours MXFP4, Gluon"] = lambda: moe_experts_triton(x, top_idx, top_w, **fp4, config={"gluon": True})
             paths["ours MXFP4, Triton"] = lambda: moe_experts_triton(x, top_idx, top_w, **fp4,
@@ -388,6 +391,9 @@ def main():
                                                                            down=down, config={"ws": False})
                 paths["ours MXFP4, warp-specialised"] = lambda: moe_experts_triton(x, top_idx, top_w, **fp4,
                                                                                 config={"ws": True})
+                # the opt-in launch with the weights by TMA in a deeper ring of their own
+                paths["ours bf16, warp-specialised, TMA weights"] = lambda: moe_experts_gluon_ws(
+                    x, top_idx, top_w, gate_up=gate_up, down=down, w_stages=6, w_pre=3)
         if N <= args.loop_max_tokens:
             paths["per-expert loop bf16"] = lambda: loop_experts(x, top_idx, top_w, gate_up, down)
         s = slice(0, min(N, 4))  # reference on a few tokens (fp32 over the touched experts)

@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..gluon_compat import async_load, thread_barrier
+from ..gluon_compat import async_load, thread_barrier, tma_load
 from .gluon_moe import _E2M1_WORDS_TO_BF16, UNSCALE, _sigmoid, _tanh
 from .triton_moe import _align
 
@@ -120,7 +120,7 @@ def _tile_src(SORTED, t, J: gl.constexpr, n_t, num_assign, top_k, K, GATE: gl.co
 
 @gluon.jit
 def _fill(X, W, x_ring, w_ring, empty, n, k, cols, w_off, o0, m0, o1, m1, o2, m2, FP4: gl.constexpr,
-          STAGES: gl.constexpr):
+          STAGES: gl.constexpr, TMA: gl.constexpr):
     """Start the copies of K step k (the producer's step n, counted over its work items) into stage n % STAGES once
     the consumers have handed it back: the group's three token tiles (masked rows: zeros), and bf16 weight rows."""
     st = n % STAGES
@@ -129,16 +129,33 @@ def _fill(X, W, x_ring, w_ring, empty, n, k, cols, w_off, o0, m0, o1, m1, o2, m2
     async_load(x_ring.index(st * G + 0), X + o0 + (k * BK + cols), mask=m0)
     async_load(x_ring.index(st * G + 1), X + o1 + (k * BK + cols), mask=m1)
     async_load(x_ring.index(st * G + 2), X + o2 + (k * BK + cols), mask=m2)
-    if not FP4:
+    if not FP4 and not TMA:
         async_load(w_ring.index(st), W + w_off + (k * BK + cols))
 
 
 @gluon.jit
-def _producer(X, W, WS, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, tiles, num_assign,
-              top_k, K, NB, ROWS_E, HALF, KW, KS, FP4: gl.constexpr, GATE: gl.constexpr, STAGES: gl.constexpr,
-              PRE: gl.constexpr, WDEPTH: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr):
+def _fill_w(W_DESC, w_ring, w_ready, w_empty, n, k, row_a, row_b, GATE: gl.constexpr, W_STAGES: gl.constexpr):
+    """TMA: K step k's bf16 weights (the producer's step n) into weight stage n % W_STAGES once the consumers have
+    handed it back; `w_ready` completes when its bytes have landed. gate_up: gate rows in stage rows 0-63, up rows in
+    64-127; down: 128 consecutive output rows."""
+    st = n % W_STAGES
+    mbarrier.wait(w_empty.index(st), ((n // W_STAGES) & 1) ^ 1)
+    mbarrier.expect(w_ready.index(st), 128 * BK * 2)
+    if GATE:
+        tma_load(W_DESC, [row_a.to(gl.int32), k * BK], w_ready.index(st), w_ring.index(st).slice(0, 64))
+        tma_load(W_DESC, [row_b.to(gl.int32), k * BK], w_ready.index(st), w_ring.index(st).slice(64, 64))
+    else:
+        tma_load(W_DESC, [row_a.to(gl.int32), k * BK], w_ready.index(st), w_ring.index(st))
+
+
+@gluon.jit
+def _producer(X, W, WS, W_DESC, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, w_ready, w_empty,
+              tiles, num_assign, top_k, K, NB, ROWS_E, HALF, KW, KS, FP4: gl.constexpr, GATE: gl.constexpr,
+              STAGES: gl.constexpr, PRE: gl.constexpr, WDEPTH: gl.constexpr, TMA: gl.constexpr,
+              W_STAGES: gl.constexpr, W_PRE: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr):
     """Per K step: the token tiles' copies (and, for bf16 experts, the weight rows', row 2 i + p of a stage from half
-    p's row i) PRE steps ahead; MXFP4 words WDEPTH steps ahead in registers, unpacked into the step's stage."""
+    p's row i) PRE steps ahead; MXFP4 words WDEPTH steps ahead in registers, unpacked into the step's stage. TMA
+    (bf16): the weights by bulk copies into their own ring instead, W_PRE steps ahead (`_fill_w`)."""
     n_k = K // BK
     total = gl.load(NGROUPS) * NB
     it = 0
@@ -157,9 +174,13 @@ def _producer(X, W, WS, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, r
         o1, m1 = _tile_src(SORTED, t, 1, n_t, num_assign, top_k, K, GATE, XL)
         o2, m2 = _tile_src(SORTED, t, 2, n_t, num_assign, top_k, K, GATE, XL)
         w_off = gl.expand_dims((gl.where(r % 2 == 0, row_a, row_b) + r // 2) * K, 1)  # bf16 rows `[128, 1]`
+        if TMA:
+            for p in gl.static_range(W_PRE):
+                if p < n_k:
+                    _fill_w(W_DESC, w_ring, w_ready, w_empty, it + p, p, row_a, row_b, GATE, W_STAGES)
         for p in gl.static_range(PRE):
             if p < n_k:
-                _fill(X, W, x_ring, w_ring, empty, it + p, p, cols, w_off, o0, m0, o1, m1, o2, m2, FP4, STAGES)
+                _fill(X, W, x_ring, w_ring, empty, it + p, p, cols, w_off, o0, m0, o1, m1, o2, m2, FP4, STAGES, TMA)
             cp.commit_group()
         if FP4:
             ptrs = _word_ptrs(W, WS, row_a, row_b, KW, KS, WL)
@@ -169,9 +190,12 @@ def _producer(X, W, WS, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, r
             if FP4:
                 # words WDEPTH steps ahead, in flight during the unpacks
                 wa_n, wb_n, sa_n, sb_n = _load_words(ptrs, gl.minimum(ks + WDEPTH, n_k - 1))
+            if TMA:
+                if ks + W_PRE < n_k:
+                    _fill_w(W_DESC, w_ring, w_ready, w_empty, it + W_PRE, ks + W_PRE, row_a, row_b, GATE, W_STAGES)
             if ks + PRE < n_k:
                 _fill(X, W, x_ring, w_ring, empty, it + PRE, ks + PRE, cols, w_off, o0, m0, o1, m1, o2, m2, FP4,
-                      STAGES)
+                      STAGES, TMA)
             cp.commit_group()
             st = it % STAGES
             if FP4:
@@ -193,9 +217,10 @@ def _producer(X, W, WS, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, r
 
 
 @gluon.jit
-def _consumer(H, OUT, TOPW, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, tiles, num_assign,
-              top_k, K, NB, I, D, beta, linear_beta, J: gl.constexpr, GATE: gl.constexpr, STAGES: gl.constexpr,
-              FP4: gl.constexpr, ACC: gl.constexpr, OL: gl.constexpr):
+def _consumer(H, OUT, TOPW, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, w_ready, w_empty,
+              tiles, num_assign, top_k, K, NB, I, D, beta, linear_beta, J: gl.constexpr, GATE: gl.constexpr,
+              STAGES: gl.constexpr, FP4: gl.constexpr, TMA: gl.constexpr, W_STAGES: gl.constexpr, ACC: gl.constexpr,
+              OL: gl.constexpr):
     """Consumer J: tile J of each work item's group times every K step's weights, one product in flight, then the
     epilogue (gate_up: SiTU-GLU into h; down: the routing weight and relaxed atomic adds into OUT). Without a tile J
     in the group it only hands the stages back."""
@@ -209,18 +234,30 @@ def _consumer(H, OUT, TOPW, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_rin
             for ks in range(n_k):
                 st = it % STAGES
                 mbarrier.wait(ready.index(st), (it // STAGES) & 1)
-                acc = warpgroup_mma(x_ring.index(st * G + J), w_ring.index(st).permute((1, 0)), acc, is_async=True)
+                if TMA:
+                    sw = it % W_STAGES
+                    mbarrier.wait(w_ready.index(sw), (it // W_STAGES) & 1)
+                else:
+                    sw = st
+                acc = warpgroup_mma(x_ring.index(st * G + J), w_ring.index(sw).permute((1, 0)), acc, is_async=True)
                 acc = warpgroup_mma_wait(1, deps=(acc, ))
                 # the previous step's product has retired: its stage goes back
                 mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=ks > 0)
+                if TMA:
+                    mbarrier.arrive(w_empty.index((it + W_STAGES - 1) % W_STAGES), pred=ks > 0)
                 it += 1
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+            if TMA:
+                mbarrier.arrive(w_empty.index((it + W_STAGES - 1) % W_STAGES))
             if FP4:
                 acc = acc * UNSCALE
             tile = t + J
             if GATE:
-                g, u = gl.split(gl.reshape(acc, [BT, 64, 2]))
+                if TMA:  # gate in columns 0-63, up in 64-127 (each thread holds column j and j + 64)
+                    g, u = gl.split(gl.permute(gl.reshape(acc, [BT, 2, 64]), (0, 2, 1)))
+                else:  # column 2 i + p
+                    g, u = gl.split(gl.reshape(acc, [BT, 64, 2]))
                 h = beta * _tanh(g / beta) * _sigmoid(g) * (linear_beta * _tanh(u / linear_beta))
                 h = gl.convert_layout(h.to(gl.bfloat16), OL)
                 rows = (tile * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, OL))).to(gl.int64)
@@ -232,7 +269,10 @@ def _consumer(H, OUT, TOPW, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_rin
                 token = (gl.where(valid, assign, 0) // top_k).to(gl.int64)
                 wt = gl.load(TOPW + assign, mask=valid, other=0.0)
                 c = gl.arange(0, 128, layout=gl.SliceLayout(0, ACC))
-                d = nb * 128 + (c % 2) * 64 + c // 2  # column 2 i + p: row d0 + 64 p + i of the weights
+                if TMA:
+                    d = nb * 128 + c
+                else:
+                    d = nb * 128 + (c % 2) * 64 + c // 2  # column 2 i + p: row d0 + 64 p + i of the weights
                 gl.atomic_add(OUT + token[:, None] * D + d[None, :], acc * wt[:, None], mask=valid[:, None],
                               sem="relaxed")
         else:
@@ -240,44 +280,62 @@ def _consumer(H, OUT, TOPW, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_rin
                 st = it % STAGES
                 mbarrier.wait(ready.index(st), (it // STAGES) & 1)
                 mbarrier.arrive(empty.index(st))
+                if TMA:
+                    sw = it % W_STAGES
+                    mbarrier.wait(w_ready.index(sw), (it // W_STAGES) & 1)
+                    mbarrier.arrive(w_empty.index(sw))
                 it += 1
 
 
 @gluon.jit
-def _ws_experts(X, W, WS, H, OUT, TOPW, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, tiles, num_assign, top_k, K, NB,
-                ROWS_E, HALF, KW, KS, I, D, beta, linear_beta, FP4: gl.constexpr, GATE: gl.constexpr,
-                STAGES: gl.constexpr, PRE: gl.constexpr, WDEPTH: gl.constexpr, ACC: gl.constexpr, WL: gl.constexpr,
+def _ws_experts(X, W, WS, W_DESC, H, OUT, TOPW, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, tiles, num_assign, top_k, K,
+                NB, ROWS_E, HALF, KW, KS, I, D, beta, linear_beta, FP4: gl.constexpr, GATE: gl.constexpr,
+                STAGES: gl.constexpr, PRE: gl.constexpr, WDEPTH: gl.constexpr, TMA: gl.constexpr,
+                W_STAGES: gl.constexpr, W_PRE: gl.constexpr, ACC: gl.constexpr, WL: gl.constexpr,
                 XL: gl.constexpr, OL: gl.constexpr, X_SMEM: gl.constexpr, W_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 PRODUCER_REGS: gl.constexpr):
     """gate_up (GATE): H[tile rows, 64 columns of block nb] = SiTU-GLU(x W_gate^T, x W_up^T); down: OUT[token,
     128 columns] += routing weight * (h W_down^T). Grid: programs walking the work list of NGROUPS[0] x NB items."""
     x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES * G, BT, BK], X_SMEM)
-    w_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, BK], W_SMEM)
+    # without TMA the weights share the token tiles' stages (W_STAGES = STAGES) and their barriers
+    w_ring = gl.allocate_shared_memory(gl.bfloat16, [W_STAGES, 128, BK], W_SMEM)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    w_ready = gl.allocate_shared_memory(gl.int64, [W_STAGES, 1], mbarrier.MBarrierLayout())
+    w_empty = gl.allocate_shared_memory(gl.int64, [W_STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=G)
+    for s in gl.static_range(W_STAGES):
+        mbarrier.init(w_ready.index(s), count=1)
+        mbarrier.init(w_empty.index(s), count=G)
     gl.warp_specialize([
-        (_consumer, (H, OUT, TOPW, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, tiles,
-                     num_assign, top_k, K, NB, I, D, beta, linear_beta, 0, GATE, STAGES, FP4, ACC, OL)),
-        (_consumer, (H, OUT, TOPW, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, tiles,
-                     num_assign, top_k, K, NB, I, D, beta, linear_beta, 1, GATE, STAGES, FP4, ACC, OL)),
-        (_consumer, (H, OUT, TOPW, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, tiles,
-                     num_assign, top_k, K, NB, I, D, beta, linear_beta, 2, GATE, STAGES, FP4, ACC, OL)),
-        (_producer, (X, W, WS, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, tiles, num_assign,
-                     top_k, K, NB, ROWS_E, HALF, KW, KS, FP4, GATE, STAGES, PRE, WDEPTH, WL, XL)),
+        (_consumer, (H, OUT, TOPW, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, w_ready,
+                     w_empty, tiles, num_assign, top_k, K, NB, I, D, beta, linear_beta, 0, GATE, STAGES, FP4, TMA,
+                     W_STAGES, ACC, OL)),
+        (_consumer, (H, OUT, TOPW, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, w_ready,
+                     w_empty, tiles, num_assign, top_k, K, NB, I, D, beta, linear_beta, 1, GATE, STAGES, FP4, TMA,
+                     W_STAGES, ACC, OL)),
+        (_consumer, (H, OUT, TOPW, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, w_ready,
+                     w_empty, tiles, num_assign, top_k, K, NB, I, D, beta, linear_beta, 2, GATE, STAGES, FP4, TMA,
+                     W_STAGES, ACC, OL)),
+        (_producer, (X, W, WS, W_DESC, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, w_ready,
+                     w_empty, tiles, num_assign, top_k, K, NB, ROWS_E, HALF, KW, KS, FP4, GATE, STAGES, PRE, WDEPTH,
+                     TMA, W_STAGES, W_PRE, WL, XL)),
     ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
 @functools.lru_cache(maxsize=None)
-def _constexprs(stages: int, pre: int, wdepth: int, consumer_regs: int, producer_regs: int) -> dict:
+def _constexprs(stages: int, pre: int, wdepth: int, consumer_regs: int, producer_regs: int, w_stages: int = 0,
+                w_pre: int = 0) -> dict:
+    """The kernel's launch constants; `w_stages` > 0 takes the bf16 weights by TMA into a ring of their own."""
     acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
     # the words `[64 rows, 1 block, 4 (c), 2]` as `gluon_moe` unpacks them (S = 1)
     wl = gl.DistributedLinearLayout(reg_bases=[[0, 0, 0, 1], [8, 0, 0, 0]],
                                     lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
                                     warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[64, 1, 4, 2])
-    return dict(STAGES=stages, PRE=pre, WDEPTH=wdepth, ACC=acc, WL=wl,
+    return dict(STAGES=stages, PRE=pre, WDEPTH=wdepth, TMA=w_stages > 0, W_STAGES=w_stages or stages, W_PRE=w_pre,
+                ACC=acc, WL=wl,
                 XL=gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]),  # 16-byte copies, a warp 4 rows x 128 bytes
                 OL=gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]),
                 X_SMEM=gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16),
@@ -316,10 +374,13 @@ def unsupported(fp4: bool, dtypes, D: int, I: int) -> str | None:
 
 def moe_experts_gluon_ws(x, top_idx, top_w, w13_packed=None, w13_scale=None, w2_packed=None, w2_scale=None, *,
                          gate_up=None, down=None, beta: float = 4.0, linear_beta: float = 25.0, stages: int = 4,
-                         pre: int = 2, wdepth: int = 2, consumer_regs: int = 112, producer_regs: int = 160):
+                         pre: int = 2, wdepth: int = 2, consumer_regs: int = 112, producer_regs: int = 160,
+                         w_stages: int = 0, w_pre: int = 0):
     """x `[N, D]` -> `[N, D]` on MXFP4 experts in the released layout (as `gluon_moe.moe_experts_gluon`), or on bf16
     experts (`gate_up` `[E, 2 I, D]`, `down` `[E, D, I]`); Hopper only. `stages` ring stages (40 KB each), `pre` K
-    steps the copies run ahead (at most stages - 2), `wdepth` K steps the packed words are loaded ahead (1 or 2)."""
+    steps the copies run ahead (at most stages - 2), `wdepth` K steps the packed words are loaded ahead (1 or 2).
+    `w_stages` > 0 (bf16 only): the weights by TMA into a ring of their own (16 KB a stage; the token stages are then
+    24 KB), `w_pre` K steps ahead (at most w_stages - 2)."""
     fp4 = w13_packed is not None
     if fp4 == (gate_up is not None):
         raise ValueError("moe_experts_gluon_ws: pass either w13_packed/w13_scale/w2_packed/w2_scale or gate_up/down")
@@ -336,8 +397,12 @@ def moe_experts_gluon_ws(x, top_idx, top_w, w13_packed=None, w13_scale=None, w2_
         raise ValueError(f"moe_experts_gluon_ws: {why}")
     # A consumer hands stage j back once it has issued step j + 1, and the producer waits for step ks + pre - stages
     # to be handed back before it fills step ks: pre > stages - 2 deadlocks (seen on the GPU with stages 2, pre 1).
+    # The weights' own ring (w_stages) follows the same rule.
     if not 1 <= pre <= stages - 2:
         raise ValueError(f"moe_experts_gluon_ws: pre must be in [1, stages - 2], got {pre} with {stages} stages")
+    if w_stages and (fp4 or not 1 <= w_pre <= w_stages - 2):
+        raise ValueError(f"moe_experts_gluon_ws: w_stages takes bf16 experts and w_pre in [1, w_stages - 2], got "
+                         f"w_pre {w_pre} with {w_stages} weight stages{' and MXFP4 experts' if fp4 else ''}")
     if wdepth not in (1, 2):
         raise ValueError(f"moe_experts_gluon_ws: wdepth must be 1 or 2, got {wdepth}")
     N, k = top_idx.shape
@@ -348,14 +413,21 @@ def moe_experts_gluon_ws(x, top_idx, top_w, w13_packed=None, w13_scale=None, w2_
     hbuf = torch.empty((tiles * 64, I), device=x.device, dtype=torch.bfloat16)
     out = torch.zeros((N, D), device=x.device, dtype=torch.float32)
     topw = top_w.reshape(-1).float().contiguous()
-    cex = dict(_constexprs(stages, pre, wdepth, consumer_regs, producer_regs), FP4=fp4)
+    cex = dict(_constexprs(stages, pre, wdepth, consumer_regs, producer_regs, w_stages, w_pre), FP4=fp4)
+    d1 = d2 = None
+    if w_stages:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        # gate_up: 64-row boxes (gate rows, then the up rows I further); down: 128 output rows
+        d1 = TensorDescriptor.from_tensor(W1.view(E * two_i, D), [64, BK.value], cex["X_SMEM"])
+        d2 = TensorDescriptor.from_tensor(W2.view(E * D, I), [128, BK.value], cex["W_SMEM"])
     grid = (_programs(x.device),)
     xb = x.to(torch.bfloat16).contiguous()
     # gate_up: K = D, I / 64 column blocks of 64 gate + 64 up rows (the up rows I further); down: K = I, D / 128
-    _ws_experts[grid](xb, W1, S1, hbuf, out, topw, sorted_ids, groups, block_expert, n_groups, tiles, N * k, k, D,
+    _ws_experts[grid](xb, W1, S1, d1, hbuf, out, topw, sorted_ids, groups, block_expert, n_groups, tiles, N * k, k, D,
                       I // 64, two_i, I, D // 8, D // 32, I, D, beta, linear_beta, GATE=True, **cex, num_warps=4,
                       enable_fp_fusion=True)
-    _ws_experts[grid](hbuf, W2, S2, hbuf, out, topw, sorted_ids, groups, block_expert, n_groups, tiles, N * k, k, I,
+    _ws_experts[grid](hbuf, W2, S2, d2, hbuf, out, topw, sorted_ids, groups, block_expert, n_groups, tiles, N * k, k, I,
                       D // 128, D, 64, I // 8, I // 32, I, D, beta, linear_beta, GATE=False, **cex, num_warps=4,
                       enable_fp_fusion=True)
     return out.to(x.dtype)

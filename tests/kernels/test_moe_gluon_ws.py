@@ -63,22 +63,26 @@ def test_matches_reference(N, E, k, D, I, hot, stages, pre, wdepth):
 
 
 @needs_hopper
+@pytest.mark.parametrize("launch", [{}, dict(w_stages=6, w_pre=4), dict(stages=3, pre=1, w_stages=8, w_pre=6),
+                                    dict(w_stages=3, w_pre=1)])
 @pytest.mark.parametrize("N,E,k,D,I,hot", [(1, 8, 2, 128, 64, 0.0), (300, 6, 4, 256, 128, 0.6), (1000, 16, 4, 384, 320, 0.3)])
-def test_dense_matches_reference(N, E, k, D, I, hot):
-    """bf16 experts: the weight rows copied into the ring instead of unpacked."""
+def test_dense_matches_reference(N, E, k, D, I, hot, launch):
+    """bf16 experts: the weight rows copied into the ring instead of unpacked, or (`w_stages`) brought by TMA into a
+    ring of their own, deeper or shallower than the token tiles'."""
     g = torch.Generator().manual_seed(N + D + I)
     x = torch.randn(N, D, generator=g).bfloat16().to(DEVICE)
     gate_up = (torch.randn(E, 2 * I, D, generator=g) * 0.05).bfloat16().to(DEVICE)
     down = (torch.randn(E, D, I, generator=g) * 0.05).bfloat16().to(DEVICE)
     top_idx, top_w = moe_routing(N, E, k, g, DEVICE, hot)
-    got = moe_experts_gluon_ws(x, top_idx, top_w, gate_up=gate_up, down=down)
+    got = moe_experts_gluon_ws(x, top_idx, top_w, gate_up=gate_up, down=down, **launch)
     want = moe_experts(x.float(), top_idx, top_w, gate_up.float(), down.float())
     assert torch.isfinite(got).all()
     assert rel_err(got.float(), want) <= 1e-2
 
 
 @pytest.mark.parametrize("kw,match", [(dict(pre=0), "pre"), (dict(stages=2, pre=1), "pre"), (dict(stages=4, pre=3), "pre"),
-                                      (dict(wdepth=3), "wdepth")])
+                                      (dict(wdepth=3), "wdepth"), (dict(w_stages=4, w_pre=3), "w_pre"),
+                                      (dict(w_stages=4, w_pre=2), "bf16 experts")])
 def test_bad_arguments(kw, match):
     x = torch.zeros(2, 128, dtype=torch.bfloat16)
     w13p, w13s = torch.zeros(2, 128, 64, dtype=torch.uint8), torch.zeros(2, 128, 4, dtype=torch.uint8)
