@@ -190,7 +190,7 @@ def _producer(X, W, WS, W_DESC, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w
             if FP4:
                 # words WDEPTH steps ahead, in flight during the unpacks
                 wa_n, wb_n, sa_n, sb_n = _load_words(ptrs, gl.minimum(ks + WDEPTH, n_k - 1))
-            if TMA:
+            if TMA:  # noqa: SIM102 - a compile-time branch around a run-time test
                 if ks + W_PRE < n_k:
                     _fill_w(W_DESC, w_ring, w_ready, w_empty, it + W_PRE, ks + W_PRE, row_a, row_b, GATE, W_STAGES)
             if ks + PRE < n_k:
