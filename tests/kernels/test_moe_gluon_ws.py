@@ -81,8 +81,7 @@ def test_dense_matches_reference(N, E, k, D, I, hot, launch):
 
 
 @pytest.mark.parametrize("kw,match", [(dict(pre=0), "pre"), (dict(stages=2, pre=1), "pre"), (dict(stages=4, pre=3), "pre"),
-                                      (dict(wdepth=3), "wdepth"), (dict(w_stages=4, w_pre=3), "w_pre"),
-                                      (dict(w_stages=4, w_pre=2), "bf16 experts")])
+                                      (dict(wdepth=3), "wdepth"), (dict(w_stages=4, w_pre=2), "bf16 experts")])
 def test_bad_arguments(kw, match):
     x = torch.zeros(2, 128, dtype=torch.bfloat16)
     w13p, w13s = torch.zeros(2, 128, 64, dtype=torch.uint8), torch.zeros(2, 128, 4, dtype=torch.uint8)
@@ -90,6 +89,16 @@ def test_bad_arguments(kw, match):
     idx, wt = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1)
     with pytest.raises(ValueError, match=match):
         moe_experts_gluon_ws(x, idx, wt, w13p, w13s, w2p, w2s, **kw)
+
+
+@pytest.mark.parametrize("w_stages,w_pre", [(4, 3), (4, 0), (2, 1)])
+def test_bad_weight_ring(w_stages, w_pre):
+    """The weights' own ring follows the token ring's rule: 1 <= w_pre <= w_stages - 2."""
+    x = torch.zeros(2, 128, dtype=torch.bfloat16)
+    gate_up, down = torch.zeros(2, 128, 128, dtype=torch.bfloat16), torch.zeros(2, 128, 64, dtype=torch.bfloat16)
+    idx, wt = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1)
+    with pytest.raises(ValueError, match="w_pre in \\[1, w_stages - 2\\]"):
+        moe_experts_gluon_ws(x, idx, wt, gate_up=gate_up, down=down, w_stages=w_stages, w_pre=w_pre)
 
 
 @needs_hopper
