@@ -11,9 +11,9 @@ TFLOP/s against a large bf16 matmul. Both ceilings are measured in the same run,
 `triton.testing.do_bench` (the `grouped_mm` peer syncs on its counts, so no CUDA graph); the weights (~75 GB
 in all) are far bigger than L2, so nothing is served from cache. Last line: MXFP4 vs `torch._grouped_mm` at 64
 tokens (target >= 3x: the 3.76x fewer weight bytes, less the unpack work). On Hopper at prefill loads (from
-`_WS_MIN_ROWS` rows an expert) "ours bf16" runs the warp-specialised Gluon kernels (`gluon_moe_ws`), and the rows
-"ours bf16, Triton tiles", "ours MXFP4, warp-specialised" and "ours bf16, warp-specialised, TMA weights" (the
-opt-in `w_stages` launch) time the alternatives.
+`_WS_MIN_ROWS` rows an expert) "ours bf16" runs the warp-specialised Gluon kernels (`gluon_moe_ws`, every operand
+by TMA), and the rows "ours bf16, Triton tiles", "ours MXFP4, warp-specialised" and "ours bf16, warp-specialised,
+cp.async tokens" (the kernels' own default launch) time the alternatives.
 
     . scripts/device_env.sh && python3 benchmarks/moe.py
     . scripts/device_env.sh && python3 benchmarks/moe.py --sweep --tokens 64 8192   # tile / launch sweep of ours
@@ -391,9 +391,10 @@ def main():
                                                                            down=down, config={"ws": False})
                 paths["ours MXFP4, warp-specialised"] = lambda: moe_experts_triton(x, top_idx, top_w, **fp4,
                                                                                 config={"ws": True})
-                # the opt-in launch with the weights by TMA in a deeper ring of their own
-                paths["ours bf16, warp-specialised, TMA weights"] = lambda: moe_experts_gluon_ws(
-                    x, top_idx, top_w, gate_up=gate_up, down=down, w_stages=6, w_pre=3)
+                # "ours bf16" takes every operand by TMA (`_WS_DENSE_LAUNCH`); the kernels' own default launch
+                # gathers the token rows by cp.async instead
+                paths["ours bf16, warp-specialised, cp.async tokens"] = lambda: moe_experts_gluon_ws(
+                    x, top_idx, top_w, gate_up=gate_up, down=down)
         if N <= args.loop_max_tokens:
             paths["per-expert loop bf16"] = lambda: loop_experts(x, top_idx, top_w, gate_up, down)
         s = slice(0, min(N, 4))  # reference on a few tokens (fp32 over the touched experts)

@@ -8,7 +8,7 @@ torch 2.13).
 - `thread_barrier`: a barrier across the program's threads. Triton 3.6 calls it `gl.thread_barrier()`; later
   releases call it `gl.barrier()` (which also takes `cluster=`).
 - `tma_load`: the TMA bulk copy into shared memory (`tma.async_copy_global_to_shared` in 3.6, `tma.async_load`
-  later). No landed kernel uses TMA; `benchmarks/gluon_probe.py`'s warp-specialised probes do.
+  later): `moe/gluon_moe_ws.py`'s weight and token rings, and `benchmarks/gluon_probe.py`'s probes.
 """
 
 from triton.experimental.gluon import language as _gl

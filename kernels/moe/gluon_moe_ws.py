@@ -8,7 +8,9 @@ warpgroups of one program (`gl.warp_specialize`):
 - a producer warpgroup fills each ring stage with one K step of 64 inputs: the weights of 64 intermediate columns'
   gate and up rows (or 128 output rows of down) as bf16 `[128 rows, 64]`, copied (bf16 experts) or unpacked once
   from MXFP4 words loaded two steps ahead, and the token tiles of the step (`cp.async`, gathered through the sorted
-  assignment ids);
+  assignment ids). For bf16 experts the weights (`w_stages`) and the token tiles (`tma_tokens`, from x gathered once
+  into slot order) can come by TMA into rings of their own instead; with both, the producer only waits for free
+  stages, and each ring runs as far ahead as its depth (the bf16 default through `moe_experts_triton`);
 - three consumer warpgroups each take one 64-token tile of the expert and issue `wgmma m64n128k16` with the tile as
   the left and the weights as the right operand, both from shared memory, asynchronously;
 - mbarriers hand the stages over: `ready` (the producer's one arrival once its copies have landed and its stores
@@ -149,10 +151,72 @@ def _fill_w(W_DESC, w_ring, w_ready, w_empty, n, k, row_a, row_b, GATE: gl.const
 
 
 @gluon.jit
-def _producer(X, W, WS, W_DESC, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, w_ready, w_empty,
-              tiles, num_assign, top_k, K, NB, ROWS_E, HALF, KW, KS, FP4: gl.constexpr, GATE: gl.constexpr,
-              STAGES: gl.constexpr, PRE: gl.constexpr, WDEPTH: gl.constexpr, TMA: gl.constexpr,
+def _fill_x(X_DESC, x_ring, ready, empty, n, k, t, n_t, STAGES: gl.constexpr):
+    """TMA: K step k's token tiles (the producer's step n) into stage n % STAGES once the consumers have handed it
+    back: the group's n_t real tiles, consecutive rows of x in slot order (gate_up) or of h (down); `ready`
+    completes when their bytes have landed."""
+    st = n % STAGES
+    mbarrier.wait(empty.index(st), ((n // STAGES) & 1) ^ 1)
+    for j in gl.static_range(G):  # the byte count must be a compile-time constant
+        if j + 1 == n_t:
+            mbarrier.expect(ready.index(st), (j + 1) * BT * BK * 2)
+    for j in gl.static_range(G):
+        if j < n_t:
+            tma_load(X_DESC, [(t + j) * BT, k * BK], ready.index(st), x_ring.index(st * G + j))
+
+
+@gluon.jit
+def _producer(X, W, WS, W_DESC, X_DESC, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, w_ready,
+              w_empty, tiles, num_assign, top_k, K, NB, ROWS_E, HALF, KW, KS, FP4: gl.constexpr, GATE: gl.constexpr,
+              STAGES: gl.constexpr, PRE: gl.constexpr, WDEPTH: gl.constexpr, TMA: gl.constexpr, TMA_X: gl.constexpr,
               W_STAGES: gl.constexpr, W_PRE: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr):
+    """The producer warpgroup: every operand by TMA (`_bulk_copies`), or the token tiles by `cp.async`
+    (`_thread_copies`)."""
+    if TMA_X:
+        _bulk_copies(W_DESC, X_DESC, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, w_ready, w_empty,
+                     tiles, K, NB, ROWS_E, HALF, GATE, STAGES, W_STAGES)
+    else:
+        _thread_copies(X, W, WS, W_DESC, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, w_ready,
+                       w_empty, tiles, num_assign, top_k, K, NB, ROWS_E, HALF, KW, KS, FP4, GATE, STAGES, PRE, WDEPTH,
+                       TMA, W_STAGES, W_PRE, WL, XL)
+
+
+@gluon.jit
+def _expert_rows(e, nb, ROWS_E, HALF, GATE: gl.constexpr):
+    """The first weight rows of column block nb of expert e: gate rows n0.. and up rows I + n0.. (gate_up, W
+    `[E, 2 I, D(/2)]`), or output rows d0.. and d0 + 64.. (down, W `[E, D, I(/2)]`); int64."""
+    if GATE:
+        row_a = e.to(gl.int64) * ROWS_E + nb * 64
+        row_b = row_a + HALF
+    else:
+        row_a = e.to(gl.int64) * ROWS_E + nb * 128
+        row_b = row_a + 64
+    return row_a, row_b
+
+
+@gluon.jit
+def _bulk_copies(W_DESC, X_DESC, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, w_ready, w_empty, tiles,
+                 K, NB, ROWS_E, HALF, GATE: gl.constexpr, STAGES: gl.constexpr, W_STAGES: gl.constexpr):
+    """Per K step the weights and the token tiles by TMA, each ring filled as soon as the consumers hand a stage
+    back: no copies of the producer's own to wait for, so each runs as far ahead as its depth."""
+    n_k = K // BK
+    total = gl.load(NGROUPS) * NB
+    it = 0
+    for w in range(gl.program_id(0), total, gl.num_programs(0)):
+        t, e, nb, n_t = _group(GROUPS, BLOCK_EXPERT, w, NB, tiles)
+        row_a, row_b = _expert_rows(e, nb, ROWS_E, HALF, GATE)
+        for ks in range(n_k):
+            _fill_w(W_DESC, w_ring, w_ready, w_empty, it, ks, row_a, row_b, GATE, W_STAGES)
+            _fill_x(X_DESC, x_ring, ready, empty, it, ks, t, n_t, STAGES)
+            it += 1
+
+
+@gluon.jit
+def _thread_copies(X, W, WS, W_DESC, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, w_ready,
+                   w_empty, tiles, num_assign, top_k, K, NB, ROWS_E, HALF, KW, KS, FP4: gl.constexpr,
+                   GATE: gl.constexpr, STAGES: gl.constexpr, PRE: gl.constexpr, WDEPTH: gl.constexpr,
+                   TMA: gl.constexpr, W_STAGES: gl.constexpr, W_PRE: gl.constexpr, WL: gl.constexpr,
+                   XL: gl.constexpr):
     """Per K step: the token tiles' copies (and, for bf16 experts, the weight rows', row 2 i + p of a stage from half
     p's row i) PRE steps ahead; MXFP4 words WDEPTH steps ahead in registers, unpacked into the step's stage. TMA
     (bf16): the weights by bulk copies into their own ring instead, W_PRE steps ahead (`_fill_w`)."""
@@ -162,12 +226,7 @@ def _producer(X, W, WS, W_DESC, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w
     r = gl.arange(0, 128, layout=gl.SliceLayout(1, XL))
     for w in range(gl.program_id(0), total, gl.num_programs(0)):
         t, e, nb, n_t = _group(GROUPS, BLOCK_EXPERT, w, NB, tiles)
-        if GATE:  # gate rows n0.. and up rows I + n0.. of expert e (W `[E, 2 I, D(/2)]`)
-            row_a = e.to(gl.int64) * ROWS_E + nb * 64
-            row_b = row_a + HALF
-        else:  # output rows d0.. and d0 + 64.. (W `[E, D, I(/2)]`)
-            row_a = e.to(gl.int64) * ROWS_E + nb * 128
-            row_b = row_a + 64
+        row_a, row_b = _expert_rows(e, nb, ROWS_E, HALF, GATE)
         # The token rows of the group's tiles: gathered x rows (gate_up) or the tiles' own h rows (down).
         cols = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))[None, :]
         o0, m0 = _tile_src(SORTED, t, 0, n_t, num_assign, top_k, K, GATE, XL)
@@ -288,12 +347,12 @@ def _consumer(H, OUT, TOPW, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_rin
 
 
 @gluon.jit
-def _ws_experts(X, W, WS, W_DESC, H, OUT, TOPW, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, tiles, num_assign, top_k, K,
-                NB, ROWS_E, HALF, KW, KS, I, D, beta, linear_beta, FP4: gl.constexpr, GATE: gl.constexpr,
+def _ws_experts(X, W, WS, W_DESC, X_DESC, H, OUT, TOPW, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, tiles, num_assign,
+                top_k, K, NB, ROWS_E, HALF, KW, KS, I, D, beta, linear_beta, FP4: gl.constexpr, GATE: gl.constexpr,
                 STAGES: gl.constexpr, PRE: gl.constexpr, WDEPTH: gl.constexpr, TMA: gl.constexpr,
-                W_STAGES: gl.constexpr, W_PRE: gl.constexpr, ACC: gl.constexpr, WL: gl.constexpr,
-                XL: gl.constexpr, OL: gl.constexpr, X_SMEM: gl.constexpr, W_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                PRODUCER_REGS: gl.constexpr):
+                TMA_X: gl.constexpr, W_STAGES: gl.constexpr, W_PRE: gl.constexpr, ACC: gl.constexpr, WL: gl.constexpr,
+                XL: gl.constexpr, OL: gl.constexpr, X_SMEM: gl.constexpr, W_SMEM: gl.constexpr,
+                CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """gate_up (GATE): H[tile rows, 64 columns of block nb] = SiTU-GLU(x W_gate^T, x W_up^T); down: OUT[token,
     128 columns] += routing weight * (h W_down^T). Grid: programs walking the work list of NGROUPS[0] x NB items."""
     x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES * G, BT, BK], X_SMEM)
@@ -319,22 +378,24 @@ def _ws_experts(X, W, WS, W_DESC, H, OUT, TOPW, SORTED, GROUPS, BLOCK_EXPERT, NG
         (_consumer, (H, OUT, TOPW, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, w_ready,
                      w_empty, tiles, num_assign, top_k, K, NB, I, D, beta, linear_beta, 2, GATE, STAGES, FP4, TMA,
                      W_STAGES, ACC, OL)),
-        (_producer, (X, W, WS, W_DESC, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, w_ready,
-                     w_empty, tiles, num_assign, top_k, K, NB, ROWS_E, HALF, KW, KS, FP4, GATE, STAGES, PRE, WDEPTH,
-                     TMA, W_STAGES, W_PRE, WL, XL)),
+        (_producer, (X, W, WS, W_DESC, X_DESC, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty,
+                     w_ready, w_empty, tiles, num_assign, top_k, K, NB, ROWS_E, HALF, KW, KS, FP4, GATE, STAGES, PRE,
+                     WDEPTH, TMA, TMA_X, W_STAGES, W_PRE, WL, XL)),
     ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
 @functools.lru_cache(maxsize=None)
 def _constexprs(stages: int, pre: int, wdepth: int, consumer_regs: int, producer_regs: int, w_stages: int = 0,
-                w_pre: int = 0) -> dict:
-    """The kernel's launch constants; `w_stages` > 0 takes the bf16 weights by TMA into a ring of their own."""
+                w_pre: int = 0, tma_tokens: bool = False) -> dict:
+    """The kernel's launch constants; `w_stages` > 0 takes the bf16 weights by TMA into a ring of their own,
+    `tma_tokens` the token tiles too."""
     acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
     # the words `[64 rows, 1 block, 4 (c), 2]` as `gluon_moe` unpacks them (S = 1)
     wl = gl.DistributedLinearLayout(reg_bases=[[0, 0, 0, 1], [8, 0, 0, 0]],
                                     lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
                                     warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[64, 1, 4, 2])
-    return dict(STAGES=stages, PRE=pre, WDEPTH=wdepth, TMA=w_stages > 0, W_STAGES=w_stages or stages, W_PRE=w_pre,
+    return dict(STAGES=stages, PRE=pre, WDEPTH=wdepth, TMA=w_stages > 0, TMA_X=tma_tokens, W_STAGES=w_stages or stages,
+                W_PRE=w_pre,
                 ACC=acc, WL=wl,
                 XL=gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]),  # 16-byte copies, a warp 4 rows x 128 bytes
                 OL=gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]),
@@ -374,13 +435,15 @@ def unsupported(fp4: bool, dtypes, D: int, I: int) -> str | None:
 
 def moe_experts_gluon_ws(x, top_idx, top_w, w13_packed=None, w13_scale=None, w2_packed=None, w2_scale=None, *,
                          gate_up=None, down=None, beta: float = 4.0, linear_beta: float = 25.0, stages: int = 4,
-                         pre: int = 2, wdepth: int = 2, consumer_regs: int = 112, producer_regs: int = 160,
-                         w_stages: int = 0, w_pre: int = 0):
+                         pre: int | None = None, wdepth: int = 2, consumer_regs: int = 112, producer_regs: int = 160,
+                         w_stages: int = 0, w_pre: int | None = None, tma_tokens: bool = False):
     """x `[N, D]` -> `[N, D]` on MXFP4 experts in the released layout (as `gluon_moe.moe_experts_gluon`), or on bf16
     experts (`gate_up` `[E, 2 I, D]`, `down` `[E, D, I]`); Hopper only. `stages` ring stages (40 KB each), `pre` K
-    steps the copies run ahead (at most stages - 2), `wdepth` K steps the packed words are loaded ahead (1 or 2).
-    `w_stages` > 0 (bf16 only): the weights by TMA into a ring of their own (16 KB a stage; the token stages are then
-    24 KB), `w_pre` K steps ahead (at most w_stages - 2)."""
+    steps the copies run ahead (at most stages - 2; default 2), `wdepth` K steps the packed words are loaded ahead (1
+    or 2). `w_stages` > 0 (bf16 only): the weights by TMA into a ring of their own (16 KB a stage; the token stages
+    are then 24 KB), `w_pre` K steps ahead (at most w_stages - 2). `tma_tokens` (with `w_stages`): the token tiles by
+    TMA too, from x gathered once into slot order; the producer then waits only for free stages, so each ring runs as
+    far ahead as its depth (at least 2 stages each) and `pre` / `w_pre` do not apply."""
     fp4 = w13_packed is not None
     if fp4 == (gate_up is not None):
         raise ValueError("moe_experts_gluon_ws: pass either w13_packed/w13_scale/w2_packed/w2_scale or gate_up/down")
@@ -395,14 +458,26 @@ def moe_experts_gluon_ws(x, top_idx, top_w, w13_packed=None, w13_scale=None, w2_
     why = unsupported(fp4, (W1.dtype, W2.dtype), D, I)
     if why is not None:
         raise ValueError(f"moe_experts_gluon_ws: {why}")
-    # A consumer hands stage j back once it has issued step j + 1, and the producer waits for step ks + pre - stages
-    # to be handed back before it fills step ks: pre > stages - 2 deadlocks (seen on the GPU with stages 2, pre 1).
-    # The weights' own ring (w_stages) follows the same rule.
-    if not 1 <= pre <= stages - 2:
-        raise ValueError(f"moe_experts_gluon_ws: pre must be in [1, stages - 2], got {pre} with {stages} stages")
-    if w_stages and (fp4 or not 1 <= w_pre <= w_stages - 2):
-        raise ValueError(f"moe_experts_gluon_ws: w_stages takes bf16 experts and w_pre in [1, w_stages - 2], got "
-                         f"w_pre {w_pre} with {w_stages} weight stages{' and MXFP4 experts' if fp4 else ''}")
+    if tma_tokens:
+        # Bulk copies complete on the stage's barrier, not in the producer's threads: the producer fills a stage as
+        # soon as it is handed back, and a consumer hands stage j back once it has issued step j + 1, so 2 stages
+        # a ring keep the consumers fed.
+        if fp4 or w_stages < 2 or stages < 2 or pre is not None or w_pre is not None:
+            raise ValueError(f"moe_experts_gluon_ws: tma_tokens takes bf16 experts, w_stages >= 2 and stages >= 2, "
+                             f"and no pre / w_pre; got {'MXFP4' if fp4 else 'bf16'} experts, w_stages {w_stages}, "
+                             f"stages {stages}, pre {pre}, w_pre {w_pre}")
+        pre, w_pre = 0, 0
+    else:
+        pre = 2 if pre is None else pre
+        # A consumer hands stage j back once it has issued step j + 1, and the producer waits for step
+        # ks + pre - stages to be handed back before it fills step ks: pre > stages - 2 deadlocks (seen on the GPU
+        # with stages 2, pre 1). The weights' own ring (w_stages) follows the same rule.
+        if not 1 <= pre <= stages - 2:
+            raise ValueError(f"moe_experts_gluon_ws: pre must be in [1, stages - 2], got {pre} with {stages} stages")
+        if w_stages and (fp4 or w_pre is None or not 1 <= w_pre <= w_stages - 2):
+            raise ValueError(f"moe_experts_gluon_ws: w_stages takes bf16 experts and w_pre in [1, w_stages - 2], "
+                             f"got w_pre {w_pre} with {w_stages} weight stages{' and MXFP4 experts' if fp4 else ''}")
+        w_pre = w_pre or 0
     if wdepth not in (1, 2):
         raise ValueError(f"moe_experts_gluon_ws: wdepth must be 1 or 2, got {wdepth}")
     N, k = top_idx.shape
@@ -413,21 +488,27 @@ def moe_experts_gluon_ws(x, top_idx, top_w, w13_packed=None, w13_scale=None, w2_
     hbuf = torch.empty((tiles * 64, I), device=x.device, dtype=torch.bfloat16)
     out = torch.zeros((N, D), device=x.device, dtype=torch.float32)
     topw = top_w.reshape(-1).float().contiguous()
-    cex = dict(_constexprs(stages, pre, wdepth, consumer_regs, producer_regs, w_stages, w_pre), FP4=fp4)
-    d1 = d2 = None
+    cex = dict(_constexprs(stages, pre, wdepth, consumer_regs, producer_regs, w_stages, w_pre, tma_tokens), FP4=fp4)
+    xb = x.to(torch.bfloat16).contiguous()
+    d1 = d2 = dx1 = dx2 = None
     if w_stages:
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         # gate_up: 64-row boxes (gate rows, then the up rows I further); down: 128 output rows
         d1 = TensorDescriptor.from_tensor(W1.view(E * two_i, D), [64, BK.value], cex["X_SMEM"])
         d2 = TensorDescriptor.from_tensor(W2.view(E * D, I), [128, BK.value], cex["W_SMEM"])
+        if tma_tokens:
+            # x in slot order `[tiles * 64, D]` (pad slots repeat the last assignment's token: their h rows are
+            # never read into the output), so a tile's rows are one box; down reads h's rows as they are
+            xb = xb[sorted_ids.clamp(max=N * k - 1).long() // k]
+            dx1 = TensorDescriptor.from_tensor(xb, [BT.value, BK.value], cex["X_SMEM"])
+            dx2 = TensorDescriptor.from_tensor(hbuf, [BT.value, BK.value], cex["X_SMEM"])
     grid = (_programs(x.device),)
-    xb = x.to(torch.bfloat16).contiguous()
     # gate_up: K = D, I / 64 column blocks of 64 gate + 64 up rows (the up rows I further); down: K = I, D / 128
-    _ws_experts[grid](xb, W1, S1, d1, hbuf, out, topw, sorted_ids, groups, block_expert, n_groups, tiles, N * k, k, D,
-                      I // 64, two_i, I, D // 8, D // 32, I, D, beta, linear_beta, GATE=True, **cex, num_warps=4,
+    _ws_experts[grid](xb, W1, S1, d1, dx1, hbuf, out, topw, sorted_ids, groups, block_expert, n_groups, tiles, N * k, k,
+                      D, I // 64, two_i, I, D // 8, D // 32, I, D, beta, linear_beta, GATE=True, **cex, num_warps=4,
                       enable_fp_fusion=True)
-    _ws_experts[grid](hbuf, W2, S2, d2, hbuf, out, topw, sorted_ids, groups, block_expert, n_groups, tiles, N * k, k, I,
-                      D // 128, D, 64, I // 8, I // 32, I, D, beta, linear_beta, GATE=False, **cex, num_warps=4,
+    _ws_experts[grid](hbuf, W2, S2, d2, dx2, hbuf, out, topw, sorted_ids, groups, block_expert, n_groups, tiles, N * k,
+                      k, I, D // 128, D, 64, I // 8, I // 32, I, D, beta, linear_beta, GATE=False, **cex, num_warps=4,
                       enable_fp_fusion=True)
     return out.to(x.dtype)

@@ -436,6 +436,12 @@ _GLUON_MAX_ROWS = 512
 # against 10.36, so below the bound the tiles stay (thirty-seventh session). On MXFP4 experts they are not faster
 # than `gluon_moe` (8K tokens: 30.41 against 29.71 ms), so there only `config={"ws": True}` takes them.
 _WS_MIN_ROWS = 128
+# ... at this launch: every operand by TMA (x gathered once into slot order), 4 token stages and 6 weight stages,
+# each ring as far ahead as its depth. H100, 448 experts, best of 4 interleaved rounds, ms against the cp.async launch
+# (the kernels' own default; thirty-ninth session): 4096 tokens (146 rows an expert, K3's load at 8K) 12.82-12.90
+# against 13.55-13.61 (1.05x); 8192 tokens 20.46-21.00 against 24.92-25.08 (1.19x); 2048 tokens 11.34 against
+# 11.73. Ring depths 4-5 / 4-6 are within each other's spread; 3 token or 3 weight stages and fewer are slower.
+_WS_DENSE_LAUNCH = {"stages": 4, "w_stages": 6, "tma_tokens": True}
 _CONFIG_KEYS = ("block_m", "reduce", "order", "gluon", "ws", "gate_up", "down")
 _KERNEL_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "row_tiles", "tma")
 _REDUCES = ("atomic", "sorted")
@@ -627,7 +633,7 @@ def moe_experts_triton(
             from .gluon_moe_ws import moe_experts_gluon_ws
 
             weights = ({"w13_packed": W1, "w13_scale": S1, "w2_packed": W2, "w2_scale": S2} if fp4
-                       else {"gate_up": W1, "down": W2})
+                       else {"gate_up": W1, "down": W2, **_WS_DENSE_LAUNCH})
             return moe_experts_gluon_ws(x, top_idx, top_w, **weights, beta=beta, linear_beta=linear_beta)
         if cfg["ws"]:
             raise RuntimeError(f"config['ws'] = True: {why}")

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon")
 
 from k3_kernels.moe.gluon_moe_ws import _tile_groups, moe_experts_gluon_ws  # noqa: E402
-from k3_kernels.moe.triton_moe import _WS_MIN_ROWS, _align_torch, moe_experts_triton  # noqa: E402
+from k3_kernels.moe.triton_moe import _WS_DENSE_LAUNCH, _WS_MIN_ROWS, _align_torch, moe_experts_triton  # noqa: E402
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -64,11 +64,13 @@ def test_matches_reference(N, E, k, D, I, hot, stages, pre, wdepth):
 
 @needs_hopper
 @pytest.mark.parametrize("launch", [{}, dict(w_stages=6, w_pre=4), dict(stages=3, pre=1, w_stages=8, w_pre=6),
-                                    dict(w_stages=3, w_pre=1)])
+                                    dict(w_stages=3, w_pre=1), dict(w_stages=5, tma_tokens=True),
+                                    dict(stages=2, w_stages=2, tma_tokens=True)])
 @pytest.mark.parametrize("N,E,k,D,I,hot", [(1, 8, 2, 128, 64, 0.0), (300, 6, 4, 256, 128, 0.6), (1000, 16, 4, 384, 320, 0.3)])
 def test_dense_matches_reference(N, E, k, D, I, hot, launch):
     """bf16 experts: the weight rows copied into the ring instead of unpacked, or (`w_stages`) brought by TMA into a
-    ring of their own, deeper or shallower than the token tiles'."""
+    ring of their own, deeper or shallower than the token tiles', or (`tma_tokens`) every operand by TMA, groups of
+    one, two and three tiles (pad slots of x in slot order repeat a real token's row)."""
     g = torch.Generator().manual_seed(N + D + I)
     x = torch.randn(N, D, generator=g).bfloat16().to(DEVICE)
     gate_up = (torch.randn(E, 2 * I, D, generator=g) * 0.05).bfloat16().to(DEVICE)
@@ -101,10 +103,28 @@ def test_bad_weight_ring(w_stages, w_pre):
         moe_experts_gluon_ws(x, idx, wt, gate_up=gate_up, down=down, w_stages=w_stages, w_pre=w_pre)
 
 
+@pytest.mark.parametrize("kw", [{}, dict(w_stages=1), dict(stages=1, w_stages=4), dict(pre=1, w_stages=4),
+                                dict(w_stages=4, w_pre=2), dict(w_stages=4, fp4=True)])
+def test_bad_tma_tokens(kw):
+    """`tma_tokens` takes bf16 experts, the weights by TMA too (w_stages >= 2), at least 2 token stages, and no lead
+    to set; the dispatcher's bf16 launch is accepted."""
+    kw = dict(kw)
+    x = torch.zeros(2, 128, dtype=torch.bfloat16)
+    idx, wt = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1)
+    dense = dict(gate_up=torch.zeros(2, 128, 128, dtype=torch.bfloat16),
+                 down=torch.zeros(2, 128, 64, dtype=torch.bfloat16))
+    fp4 = (torch.zeros(2, 128, 64, dtype=torch.uint8), torch.zeros(2, 128, 4, dtype=torch.uint8),
+           torch.zeros(2, 128, 32, dtype=torch.uint8), torch.zeros(2, 128, 2, dtype=torch.uint8))
+    assert moe_experts_gluon_ws(x, idx[:0], wt[:0], **dense, **_WS_DENSE_LAUNCH).shape == (0, 128)
+    weights, experts = ((fp4, {}) if kw.pop("fp4", False) else ((), dense))
+    with pytest.raises(ValueError, match="tma_tokens takes bf16 experts"):
+        moe_experts_gluon_ws(x, idx, wt, *weights, **experts, tma_tokens=True, **kw)
+
+
 @needs_hopper
 def test_dispatch():
-    """`moe_experts_triton` takes these kernels for bf16 experts from `_WS_MIN_ROWS` assignments an expert (the same
-    result as the Triton tiles, `ws=False`), and for MXFP4 experts only when asked."""
+    """`moe_experts_triton` takes these kernels for bf16 experts from `_WS_MIN_ROWS` assignments an expert at
+    `_WS_DENSE_LAUNCH` (the same result as the Triton tiles, `ws=False`), and for MXFP4 experts only when asked."""
     N, E, k, D, I = 200, 4, 3, 256, 128
     assert N * k >= _WS_MIN_ROWS * E
     g = torch.Generator().manual_seed(7)
@@ -114,7 +134,8 @@ def test_dispatch():
     top_idx, top_w = moe_routing(N, E, k, g, DEVICE)
     auto = moe_experts_triton(x, top_idx, top_w, gate_up=gate_up, down=down)
     # the same kernels (up to the order of down's fp32 atomic adds)
-    assert rel_err(auto.float(), moe_experts_gluon_ws(x, top_idx, top_w, gate_up=gate_up, down=down).float()) <= 1e-3
+    direct = moe_experts_gluon_ws(x, top_idx, top_w, gate_up=gate_up, down=down, **_WS_DENSE_LAUNCH)
+    assert rel_err(auto.float(), direct.float()) <= 1e-3
     tiles = moe_experts_triton(x, top_idx, top_w, gate_up=gate_up, down=down, config={"ws": False})
     assert rel_err(auto.float(), tiles.float()) <= 1e-2
     w = mxfp4_experts(E, D, I, g, DEVICE)
