@@ -8,9 +8,9 @@ warpgroups of one program (`gl.warp_specialize`):
 - a producer warpgroup fills each ring stage with one K step of 64 inputs: the weights of 64 intermediate columns'
   gate and up rows (or 128 output rows of down) as bf16 `[128 rows, 64]`, copied (bf16 experts) or unpacked once
   from MXFP4 words loaded two steps ahead, and the token tiles of the step (`cp.async`, gathered through the sorted
-  assignment ids). For bf16 experts the weights (`w_stages`) and the token tiles (`tma_tokens`, from x gathered once
-  into slot order) can come by TMA into rings of their own instead; with both, the producer only waits for free
-  stages, and each ring runs as far ahead as its depth (the bf16 default through `moe_experts_triton`);
+  assignment ids). For bf16 experts (`w_stages`, the default through `moe_experts_triton`) every operand comes by
+  TMA instead: the weights into a ring of their own, the token tiles from x gathered once into slot order; the
+  producer then only waits for free stages, and each ring runs as far ahead as its depth;
 - three consumer warpgroups each take one 64-token tile of the expert and issue `wgmma m64n128k16` with the tile as
   the left and the weights as the right operand, both from shared memory, asynchronously;
 - mbarriers hand the stages over: `ready` (the producer's one arrival once its copies have landed and its stores
@@ -122,7 +122,7 @@ def _tile_src(SORTED, t, J: gl.constexpr, n_t, num_assign, top_k, K, GATE: gl.co
 
 @gluon.jit
 def _fill(X, W, x_ring, w_ring, empty, n, k, cols, w_off, o0, m0, o1, m1, o2, m2, FP4: gl.constexpr,
-          STAGES: gl.constexpr, TMA: gl.constexpr):
+          STAGES: gl.constexpr):
     """Start the copies of K step k (the producer's step n, counted over its work items) into stage n % STAGES once
     the consumers have handed it back: the group's three token tiles (masked rows: zeros), and bf16 weight rows."""
     st = n % STAGES
@@ -131,7 +131,7 @@ def _fill(X, W, x_ring, w_ring, empty, n, k, cols, w_off, o0, m0, o1, m1, o2, m2
     async_load(x_ring.index(st * G + 0), X + o0 + (k * BK + cols), mask=m0)
     async_load(x_ring.index(st * G + 1), X + o1 + (k * BK + cols), mask=m1)
     async_load(x_ring.index(st * G + 2), X + o2 + (k * BK + cols), mask=m2)
-    if not FP4 and not TMA:
+    if not FP4:
         async_load(w_ring.index(st), W + w_off + (k * BK + cols))
 
 
@@ -168,17 +168,15 @@ def _fill_x(X_DESC, x_ring, ready, empty, n, k, t, n_t, STAGES: gl.constexpr):
 @gluon.jit
 def _producer(X, W, WS, W_DESC, X_DESC, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, w_ready,
               w_empty, tiles, num_assign, top_k, K, NB, ROWS_E, HALF, KW, KS, FP4: gl.constexpr, GATE: gl.constexpr,
-              STAGES: gl.constexpr, PRE: gl.constexpr, WDEPTH: gl.constexpr, TMA: gl.constexpr, TMA_X: gl.constexpr,
-              W_STAGES: gl.constexpr, W_PRE: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr):
-    """The producer warpgroup: every operand by TMA (`_bulk_copies`), or the token tiles by `cp.async`
-    (`_thread_copies`)."""
-    if TMA_X:
+              STAGES: gl.constexpr, PRE: gl.constexpr, WDEPTH: gl.constexpr, TMA: gl.constexpr,
+              W_STAGES: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr):
+    """The producer warpgroup: every operand by TMA (`_bulk_copies`), or by its own threads (`_thread_copies`)."""
+    if TMA:
         _bulk_copies(W_DESC, X_DESC, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, w_ready, w_empty,
                      tiles, K, NB, ROWS_E, HALF, GATE, STAGES, W_STAGES)
     else:
-        _thread_copies(X, W, WS, W_DESC, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, w_ready,
-                       w_empty, tiles, num_assign, top_k, K, NB, ROWS_E, HALF, KW, KS, FP4, GATE, STAGES, PRE, WDEPTH,
-                       TMA, W_STAGES, W_PRE, WL, XL)
+        _thread_copies(X, W, WS, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, tiles, num_assign,
+                       top_k, K, NB, ROWS_E, HALF, KW, KS, FP4, GATE, STAGES, PRE, WDEPTH, WL, XL)
 
 
 @gluon.jit
@@ -212,14 +210,11 @@ def _bulk_copies(W_DESC, X_DESC, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, 
 
 
 @gluon.jit
-def _thread_copies(X, W, WS, W_DESC, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, w_ready,
-                   w_empty, tiles, num_assign, top_k, K, NB, ROWS_E, HALF, KW, KS, FP4: gl.constexpr,
-                   GATE: gl.constexpr, STAGES: gl.constexpr, PRE: gl.constexpr, WDEPTH: gl.constexpr,
-                   TMA: gl.constexpr, W_STAGES: gl.constexpr, W_PRE: gl.constexpr, WL: gl.constexpr,
-                   XL: gl.constexpr):
+def _thread_copies(X, W, WS, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty, tiles, num_assign,
+                   top_k, K, NB, ROWS_E, HALF, KW, KS, FP4: gl.constexpr, GATE: gl.constexpr, STAGES: gl.constexpr,
+                   PRE: gl.constexpr, WDEPTH: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr):
     """Per K step: the token tiles' copies (and, for bf16 experts, the weight rows', row 2 i + p of a stage from half
-    p's row i) PRE steps ahead; MXFP4 words WDEPTH steps ahead in registers, unpacked into the step's stage. TMA
-    (bf16): the weights by bulk copies into their own ring instead, W_PRE steps ahead (`_fill_w`)."""
+    p's row i) PRE steps ahead; MXFP4 words WDEPTH steps ahead in registers, unpacked into the step's stage."""
     n_k = K // BK
     total = gl.load(NGROUPS) * NB
     it = 0
@@ -233,13 +228,9 @@ def _thread_copies(X, W, WS, W_DESC, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ri
         o1, m1 = _tile_src(SORTED, t, 1, n_t, num_assign, top_k, K, GATE, XL)
         o2, m2 = _tile_src(SORTED, t, 2, n_t, num_assign, top_k, K, GATE, XL)
         w_off = gl.expand_dims((gl.where(r % 2 == 0, row_a, row_b) + r // 2) * K, 1)  # bf16 rows `[128, 1]`
-        if TMA:
-            for p in gl.static_range(W_PRE):
-                if p < n_k:
-                    _fill_w(W_DESC, w_ring, w_ready, w_empty, it + p, p, row_a, row_b, GATE, W_STAGES)
         for p in gl.static_range(PRE):
             if p < n_k:
-                _fill(X, W, x_ring, w_ring, empty, it + p, p, cols, w_off, o0, m0, o1, m1, o2, m2, FP4, STAGES, TMA)
+                _fill(X, W, x_ring, w_ring, empty, it + p, p, cols, w_off, o0, m0, o1, m1, o2, m2, FP4, STAGES)
             cp.commit_group()
         if FP4:
             ptrs = _word_ptrs(W, WS, row_a, row_b, KW, KS, WL)
@@ -249,12 +240,9 @@ def _thread_copies(X, W, WS, W_DESC, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ri
             if FP4:
                 # words WDEPTH steps ahead, in flight during the unpacks
                 wa_n, wb_n, sa_n, sb_n = _load_words(ptrs, gl.minimum(ks + WDEPTH, n_k - 1))
-            if TMA:  # noqa: SIM102 - a compile-time branch around a run-time test
-                if ks + W_PRE < n_k:
-                    _fill_w(W_DESC, w_ring, w_ready, w_empty, it + W_PRE, ks + W_PRE, row_a, row_b, GATE, W_STAGES)
             if ks + PRE < n_k:
                 _fill(X, W, x_ring, w_ring, empty, it + PRE, ks + PRE, cols, w_off, o0, m0, o1, m1, o2, m2, FP4,
-                      STAGES, TMA)
+                      STAGES)
             cp.commit_group()
             st = it % STAGES
             if FP4:
@@ -350,7 +338,7 @@ def _consumer(H, OUT, TOPW, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_rin
 def _ws_experts(X, W, WS, W_DESC, X_DESC, H, OUT, TOPW, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, tiles, num_assign,
                 top_k, K, NB, ROWS_E, HALF, KW, KS, I, D, beta, linear_beta, FP4: gl.constexpr, GATE: gl.constexpr,
                 STAGES: gl.constexpr, PRE: gl.constexpr, WDEPTH: gl.constexpr, TMA: gl.constexpr,
-                TMA_X: gl.constexpr, W_STAGES: gl.constexpr, W_PRE: gl.constexpr, ACC: gl.constexpr, WL: gl.constexpr,
+                W_STAGES: gl.constexpr, ACC: gl.constexpr, WL: gl.constexpr,
                 XL: gl.constexpr, OL: gl.constexpr, X_SMEM: gl.constexpr, W_SMEM: gl.constexpr,
                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """gate_up (GATE): H[tile rows, 64 columns of block nb] = SiTU-GLU(x W_gate^T, x W_up^T); down: OUT[token,
@@ -380,22 +368,20 @@ def _ws_experts(X, W, WS, W_DESC, X_DESC, H, OUT, TOPW, SORTED, GROUPS, BLOCK_EX
                      W_STAGES, ACC, OL)),
         (_producer, (X, W, WS, W_DESC, X_DESC, SORTED, GROUPS, BLOCK_EXPERT, NGROUPS, x_ring, w_ring, ready, empty,
                      w_ready, w_empty, tiles, num_assign, top_k, K, NB, ROWS_E, HALF, KW, KS, FP4, GATE, STAGES, PRE,
-                     WDEPTH, TMA, TMA_X, W_STAGES, W_PRE, WL, XL)),
+                     WDEPTH, TMA, W_STAGES, WL, XL)),
     ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
 @functools.lru_cache(maxsize=None)
-def _constexprs(stages: int, pre: int, wdepth: int, consumer_regs: int, producer_regs: int, w_stages: int = 0,
-                w_pre: int = 0, tma_tokens: bool = False) -> dict:
-    """The kernel's launch constants; `w_stages` > 0 takes the bf16 weights by TMA into a ring of their own,
-    `tma_tokens` the token tiles too."""
+def _constexprs(stages: int, pre: int, wdepth: int, consumer_regs: int, producer_regs: int, w_stages: int = 0) -> dict:
+    """The kernel's launch constants; `w_stages` > 0 takes every operand by TMA, the bf16 weights into a ring of
+    their own."""
     acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
     # the words `[64 rows, 1 block, 4 (c), 2]` as `gluon_moe` unpacks them (S = 1)
     wl = gl.DistributedLinearLayout(reg_bases=[[0, 0, 0, 1], [8, 0, 0, 0]],
                                     lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
                                     warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[64, 1, 4, 2])
-    return dict(STAGES=stages, PRE=pre, WDEPTH=wdepth, TMA=w_stages > 0, TMA_X=tma_tokens, W_STAGES=w_stages or stages,
-                W_PRE=w_pre,
+    return dict(STAGES=stages, PRE=pre, WDEPTH=wdepth, TMA=w_stages > 0, W_STAGES=w_stages or stages,
                 ACC=acc, WL=wl,
                 XL=gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]),  # 16-byte copies, a warp 4 rows x 128 bytes
                 OL=gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]),
@@ -436,14 +422,14 @@ def unsupported(fp4: bool, dtypes, D: int, I: int) -> str | None:
 def moe_experts_gluon_ws(x, top_idx, top_w, w13_packed=None, w13_scale=None, w2_packed=None, w2_scale=None, *,
                          gate_up=None, down=None, beta: float = 4.0, linear_beta: float = 25.0, stages: int = 4,
                          pre: int | None = None, wdepth: int = 2, consumer_regs: int = 112, producer_regs: int = 160,
-                         w_stages: int = 0, w_pre: int | None = None, tma_tokens: bool = False):
+                         w_stages: int = 0):
     """x `[N, D]` -> `[N, D]` on MXFP4 experts in the released layout (as `gluon_moe.moe_experts_gluon`), or on bf16
     experts (`gate_up` `[E, 2 I, D]`, `down` `[E, D, I]`); Hopper only. `stages` ring stages (40 KB each), `pre` K
     steps the copies run ahead (at most stages - 2; default 2), `wdepth` K steps the packed words are loaded ahead (1
-    or 2). `w_stages` > 0 (bf16 only): the weights by TMA into a ring of their own (16 KB a stage; the token stages
-    are then 24 KB), `w_pre` K steps ahead (at most w_stages - 2). `tma_tokens` (with `w_stages`): the token tiles by
-    TMA too, from x gathered once into slot order; the producer then waits only for free stages, so each ring runs as
-    far ahead as its depth (at least 2 stages each) and `pre` / `w_pre` do not apply."""
+    or 2). `w_stages` >= 2 (bf16 only): every operand by TMA, the weights into a ring of their own of `w_stages`
+    16 KB stages and the token tiles, from x gathered once into slot order, into `stages` 24 KB stages (at least 2);
+    the producer then waits only for free stages, so each ring runs as far ahead as its depth and `pre` does not
+    apply."""
     fp4 = w13_packed is not None
     if fp4 == (gate_up is not None):
         raise ValueError("moe_experts_gluon_ws: pass either w13_packed/w13_scale/w2_packed/w2_scale or gate_up/down")
@@ -458,26 +444,22 @@ def moe_experts_gluon_ws(x, top_idx, top_w, w13_packed=None, w13_scale=None, w2_
     why = unsupported(fp4, (W1.dtype, W2.dtype), D, I)
     if why is not None:
         raise ValueError(f"moe_experts_gluon_ws: {why}")
-    if tma_tokens:
+    if w_stages:
         # Bulk copies complete on the stage's barrier, not in the producer's threads: the producer fills a stage as
         # soon as it is handed back, and a consumer hands stage j back once it has issued step j + 1, so 2 stages
         # a ring keep the consumers fed.
-        if fp4 or w_stages < 2 or stages < 2 or pre is not None or w_pre is not None:
-            raise ValueError(f"moe_experts_gluon_ws: tma_tokens takes bf16 experts, w_stages >= 2 and stages >= 2, "
-                             f"and no pre / w_pre; got {'MXFP4' if fp4 else 'bf16'} experts, w_stages {w_stages}, "
-                             f"stages {stages}, pre {pre}, w_pre {w_pre}")
-        pre, w_pre = 0, 0
+        if fp4 or w_stages < 2 or stages < 2 or pre is not None:
+            raise ValueError(f"moe_experts_gluon_ws: w_stages takes bf16 experts, w_stages >= 2 and stages >= 2, and "
+                             f"no pre; got {'MXFP4' if fp4 else 'bf16'} experts, w_stages {w_stages}, stages "
+                             f"{stages}, pre {pre}")
+        pre = 0
     else:
         pre = 2 if pre is None else pre
         # A consumer hands stage j back once it has issued step j + 1, and the producer waits for step
         # ks + pre - stages to be handed back before it fills step ks: pre > stages - 2 deadlocks (seen on the GPU
-        # with stages 2, pre 1). The weights' own ring (w_stages) follows the same rule.
+        # with stages 2, pre 1).
         if not 1 <= pre <= stages - 2:
             raise ValueError(f"moe_experts_gluon_ws: pre must be in [1, stages - 2], got {pre} with {stages} stages")
-        if w_stages and (fp4 or w_pre is None or not 1 <= w_pre <= w_stages - 2):
-            raise ValueError(f"moe_experts_gluon_ws: w_stages takes bf16 experts and w_pre in [1, w_stages - 2], "
-                             f"got w_pre {w_pre} with {w_stages} weight stages{' and MXFP4 experts' if fp4 else ''}")
-        w_pre = w_pre or 0
     if wdepth not in (1, 2):
         raise ValueError(f"moe_experts_gluon_ws: wdepth must be 1 or 2, got {wdepth}")
     N, k = top_idx.shape
@@ -488,7 +470,7 @@ def moe_experts_gluon_ws(x, top_idx, top_w, w13_packed=None, w13_scale=None, w2_
     hbuf = torch.empty((tiles * 64, I), device=x.device, dtype=torch.bfloat16)
     out = torch.zeros((N, D), device=x.device, dtype=torch.float32)
     topw = top_w.reshape(-1).float().contiguous()
-    cex = dict(_constexprs(stages, pre, wdepth, consumer_regs, producer_regs, w_stages, w_pre, tma_tokens), FP4=fp4)
+    cex = dict(_constexprs(stages, pre, wdepth, consumer_regs, producer_regs, w_stages), FP4=fp4)
     xb = x.to(torch.bfloat16).contiguous()
     d1 = d2 = dx1 = dx2 = None
     if w_stages:
@@ -497,12 +479,11 @@ def moe_experts_gluon_ws(x, top_idx, top_w, w13_packed=None, w13_scale=None, w2_
         # gate_up: 64-row boxes (gate rows, then the up rows I further); down: 128 output rows
         d1 = TensorDescriptor.from_tensor(W1.view(E * two_i, D), [64, BK.value], cex["X_SMEM"])
         d2 = TensorDescriptor.from_tensor(W2.view(E * D, I), [128, BK.value], cex["W_SMEM"])
-        if tma_tokens:
-            # x in slot order `[tiles * 64, D]` (pad slots repeat the last assignment's token: their h rows are
-            # never read into the output), so a tile's rows are one box; down reads h's rows as they are
-            xb = xb[sorted_ids.clamp(max=N * k - 1).long() // k]
-            dx1 = TensorDescriptor.from_tensor(xb, [BT.value, BK.value], cex["X_SMEM"])
-            dx2 = TensorDescriptor.from_tensor(hbuf, [BT.value, BK.value], cex["X_SMEM"])
+        # x in slot order `[tiles * 64, D]` (pad slots repeat the last assignment's token: their h rows are never
+        # read into the output), so a tile's rows are one box; down reads h's rows as they are
+        xb = xb[sorted_ids.clamp(max=N * k - 1).long() // k]
+        dx1 = TensorDescriptor.from_tensor(xb, [BT.value, BK.value], cex["X_SMEM"])
+        dx2 = TensorDescriptor.from_tensor(hbuf, [BT.value, BK.value], cex["X_SMEM"])
     grid = (_programs(x.device),)
     # gate_up: K = D, I / 64 column blocks of 64 gate + 64 up rows (the up rows I further); down: K = I, D / 128
     _ws_experts[grid](xb, W1, S1, d1, dx1, hbuf, out, topw, sorted_ids, groups, block_expert, n_groups, tiles, N * k, k,

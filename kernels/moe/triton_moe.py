@@ -441,7 +441,7 @@ _WS_MIN_ROWS = 128
 # (the kernels' own default; thirty-ninth session): 4096 tokens (146 rows an expert, K3's load at 8K) 12.82-12.90
 # against 13.55-13.61 (1.05x); 8192 tokens 20.46-21.00 against 24.92-25.08 (1.19x); 2048 tokens 11.34 against
 # 11.73. Ring depths 4-5 / 4-6 are within each other's spread; 3 token or 3 weight stages and fewer are slower.
-_WS_DENSE_LAUNCH = {"stages": 4, "w_stages": 6, "tma_tokens": True}
+_WS_DENSE_LAUNCH = {"stages": 4, "w_stages": 6}
 _CONFIG_KEYS = ("block_m", "reduce", "order", "gluon", "ws", "gate_up", "down")
 _KERNEL_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "row_tiles", "tma")
 _REDUCES = ("atomic", "sorted")

@@ -63,14 +63,13 @@ def test_matches_reference(N, E, k, D, I, hot, stages, pre, wdepth):
 
 
 @needs_hopper
-@pytest.mark.parametrize("launch", [{}, dict(w_stages=6, w_pre=4), dict(stages=3, pre=1, w_stages=8, w_pre=6),
-                                    dict(w_stages=3, w_pre=1), dict(w_stages=5, tma_tokens=True),
-                                    dict(stages=2, w_stages=2, tma_tokens=True)])
+@pytest.mark.parametrize("launch", [{}, dict(stages=3, pre=1), dict(w_stages=6), dict(stages=5, w_stages=4),
+                                    dict(stages=2, w_stages=2)])
 @pytest.mark.parametrize("N,E,k,D,I,hot", [(1, 8, 2, 128, 64, 0.0), (300, 6, 4, 256, 128, 0.6), (1000, 16, 4, 384, 320, 0.3)])
 def test_dense_matches_reference(N, E, k, D, I, hot, launch):
-    """bf16 experts: the weight rows copied into the ring instead of unpacked, or (`w_stages`) brought by TMA into a
-    ring of their own, deeper or shallower than the token tiles', or (`tma_tokens`) every operand by TMA, groups of
-    one, two and three tiles (pad slots of x in slot order repeat a real token's row)."""
+    """bf16 experts: the weight rows copied into the ring instead of unpacked, or (`w_stages`) every operand by TMA,
+    the weights' ring deeper or shallower than the token tiles', down to two stages each; groups of one, two and
+    three tiles (pad slots of x in slot order repeat a real token's row)."""
     g = torch.Generator().manual_seed(N + D + I)
     x = torch.randn(N, D, generator=g).bfloat16().to(DEVICE)
     gate_up = (torch.randn(E, 2 * I, D, generator=g) * 0.05).bfloat16().to(DEVICE)
@@ -83,7 +82,7 @@ def test_dense_matches_reference(N, E, k, D, I, hot, launch):
 
 
 @pytest.mark.parametrize("kw,match", [(dict(pre=0), "pre"), (dict(stages=2, pre=1), "pre"), (dict(stages=4, pre=3), "pre"),
-                                      (dict(wdepth=3), "wdepth"), (dict(w_stages=4, w_pre=2), "bf16 experts")])
+                                      (dict(wdepth=3), "wdepth")])
 def test_bad_arguments(kw, match):
     x = torch.zeros(2, 128, dtype=torch.bfloat16)
     w13p, w13s = torch.zeros(2, 128, 64, dtype=torch.uint8), torch.zeros(2, 128, 4, dtype=torch.uint8)
@@ -93,21 +92,11 @@ def test_bad_arguments(kw, match):
         moe_experts_gluon_ws(x, idx, wt, w13p, w13s, w2p, w2s, **kw)
 
 
-@pytest.mark.parametrize("w_stages,w_pre", [(4, 3), (4, 0), (2, 1)])
-def test_bad_weight_ring(w_stages, w_pre):
-    """The weights' own ring follows the token ring's rule: 1 <= w_pre <= w_stages - 2."""
-    x = torch.zeros(2, 128, dtype=torch.bfloat16)
-    gate_up, down = torch.zeros(2, 128, 128, dtype=torch.bfloat16), torch.zeros(2, 128, 64, dtype=torch.bfloat16)
-    idx, wt = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1)
-    with pytest.raises(ValueError, match="w_pre in \\[1, w_stages - 2\\]"):
-        moe_experts_gluon_ws(x, idx, wt, gate_up=gate_up, down=down, w_stages=w_stages, w_pre=w_pre)
-
-
-@pytest.mark.parametrize("kw", [{}, dict(w_stages=1), dict(stages=1, w_stages=4), dict(pre=1, w_stages=4),
-                                dict(w_stages=4, w_pre=2), dict(w_stages=4, fp4=True)])
-def test_bad_tma_tokens(kw):
-    """`tma_tokens` takes bf16 experts, the weights by TMA too (w_stages >= 2), at least 2 token stages, and no lead
-    to set; the dispatcher's bf16 launch is accepted."""
+@pytest.mark.parametrize("kw", [dict(w_stages=1), dict(stages=1, w_stages=4), dict(pre=1, w_stages=4),
+                                dict(w_stages=4, fp4=True)])
+def test_bad_tma_launch(kw):
+    """Every operand by TMA (`w_stages`) takes bf16 experts, at least 2 stages a ring, and no lead to set; the
+    dispatcher's bf16 launch is accepted."""
     kw = dict(kw)
     x = torch.zeros(2, 128, dtype=torch.bfloat16)
     idx, wt = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1)
@@ -117,8 +106,8 @@ def test_bad_tma_tokens(kw):
            torch.zeros(2, 128, 32, dtype=torch.uint8), torch.zeros(2, 128, 2, dtype=torch.uint8))
     assert moe_experts_gluon_ws(x, idx[:0], wt[:0], **dense, **_WS_DENSE_LAUNCH).shape == (0, 128)
     weights, experts = ((fp4, {}) if kw.pop("fp4", False) else ((), dense))
-    with pytest.raises(ValueError, match="tma_tokens takes bf16 experts"):
-        moe_experts_gluon_ws(x, idx, wt, *weights, **experts, tma_tokens=True, **kw)
+    with pytest.raises(ValueError, match="w_stages takes bf16 experts"):
+        moe_experts_gluon_ws(x, idx, wt, *weights, **experts, **kw)
 
 
 @needs_hopper
