@@ -14,7 +14,8 @@ warpgroups of one program (`gl.warp_specialize`):
 - three consumer warpgroups each take one 64-token tile of the expert and issue `wgmma m64n128k16` with the tile as
   the left and the weights as the right operand, both from shared memory, asynchronously;
 - mbarriers hand the stages over: `ready` (the producer's one arrival once its copies have landed and its stores
-  are fenced), `empty` (each consumer's arrival once the product that read the stage has retired).
+  are fenced; by TMA, its expect-tx arrival and the bulk copies' bytes), `empty` (each consumer's arrival once the
+  product that read the stage has retired).
 
 The unpacked weights land in shared memory in the inputs' natural order (the register permutation that `gluon_moe`
 leaves in its operand is undone for free as a reshape of the unpacked values), so tokens and h need no reordering;
