@@ -8,7 +8,6 @@ products with fp32 accumulation and h rounded to bf16, so rel_err <= 1e-2 agains
 
 import pytest
 import torch
-
 from helpers import moe_routing, mxfp4_experts, rel_err
 from k3_kernels.moe.reference import moe_experts, moe_experts_mxfp4
 
@@ -16,7 +15,12 @@ pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon")
 
 from k3_kernels.moe.gluon_moe_ws import _tile_groups, moe_experts_gluon_ws  # noqa: E402
-from k3_kernels.moe.triton_moe import _WS_DENSE_LAUNCH, _WS_MIN_ROWS, _align_torch, moe_experts_triton  # noqa: E402
+from k3_kernels.moe.triton_moe import (  # noqa: E402
+    _WS_DENSE_LAUNCH,
+    _WS_MIN_ROWS,
+    _align_torch,
+    moe_experts_triton,
+)
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
