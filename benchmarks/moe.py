@@ -35,6 +35,12 @@ variant checked against the default's output, with each kernel's profiler time a
 
     . scripts/device_env.sh && python3 benchmarks/moe.py --gluon-sweep --tokens 8 64 256 --rounds 5
     . scripts/device_env.sh && python3 benchmarks/moe.py --gluon-sweep --tokens 1024 1536 2048 4096 --rounds 3
+
+`--ws-sweep` does the same for the warp-specialised kernels on bf16 experts (`gluon_moe_ws`) over their launches
+(`WS_SWEEP`: ring depths with every operand by TMA, and the `cp.async` launch) beside `torch._grouped_mm` and the
+Triton bf16 tiles, with TFLOP/s; the MXFP4 copy is freed first (896 experts fit an H200, 448 an 80 GB card):
+
+    . scripts/device_env.sh && python3 benchmarks/moe.py --ws-sweep --tokens 8192 --rounds 3
 """
 
 import argparse
@@ -290,6 +296,11 @@ GLUON_SWEEP = {"default (2 buffers; K step 4, 2 at 64 slots)": {}, "3 buffers": 
                "K step 2": dict(k_step=2), "3 buffers, K step 2": dict(stages=3, k_step=2),
                "16 token slots": dict(token_slots=16), "32 token slots": dict(token_slots=32),
                "64 token slots": dict(token_slots=64), "64 token slots, K step 4": dict(token_slots=64, k_step=4)}
+# `--ws-sweep`: launches of the warp-specialised kernels on bf16 experts (`gluon_moe_ws`); "TMA a + b" = every operand
+# by TMA, a token stages and b weight stages. The first is `_WS_DENSE_LAUNCH`, what "ours bf16" runs at prefill sizes.
+WS_SWEEP = {"TMA 4 + 6 (default)": dict(stages=4, w_stages=6), "TMA 4 + 4": dict(stages=4, w_stages=4),
+            "TMA 4 + 5": dict(stages=4, w_stages=5), "TMA 5 + 4": dict(stages=5, w_stages=4),
+            "TMA 3 + 6": dict(stages=3, w_stages=6), "cp.async tokens 4 / 2": {}}
 
 
 def random_mxfp4(E, D, I, dev):
@@ -301,36 +312,50 @@ def random_mxfp4(E, D, I, dev):
                 w2_scale=torch.randint(119, 123, (E, D, I // 32), dtype=torch.uint8, device=dev))
 
 
-def gluon_sweep(args, E, k, D, dev, fp4, gate_up, down):
-    """The Gluon MXFP4 kernels at each `GLUON_SWEEP` launch, `grouped_mm` and the Triton tiles beside them."""
-    from k3_kernels.moe.gluon_moe import moe_experts_gluon
+def gluon_sweep(args, E, k, D, I, dev, fp4, gate_up, down, ws=False):
+    """The Gluon MXFP4 kernels at each `GLUON_SWEEP` launch (or, `ws`, the warp-specialised kernels on bf16 experts
+    at each `WS_SWEEP` launch), `grouped_mm` and the Triton tiles beside them."""
+    if ws:
+        from k3_kernels.moe.gluon_moe_ws import moe_experts_gluon_ws
 
-    w = (fp4["w13_packed"], fp4["w13_scale"], fp4["w2_packed"], fp4["w2_scale"])
-    print(f"Gluon MXFP4 kernels, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+        launches, label, tiles = WS_SWEEP, "Gluon ws bf16", {"gate_up": gate_up, "down": down, "config": {"ws": False}}
+
+        def run(x, top_idx, top_w, **kw):
+            return moe_experts_gluon_ws(x, top_idx, top_w, gate_up=gate_up, down=down, **kw)
+    else:
+        from k3_kernels.moe.gluon_moe import moe_experts_gluon
+
+        launches, label, tiles = GLUON_SWEEP, "Gluon MXFP4", dict(fp4, config={"gluon": False})
+        w = (fp4["w13_packed"], fp4["w13_scale"], fp4["w2_packed"], fp4["w2_scale"])
+
+        def run(x, top_idx, top_w, **kw):
+            return moe_experts_gluon(x, top_idx, top_w, *w, **kw)
+    print(f"{label} kernels, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     for N in args.tokens:
         x, top_idx, top_w, touched = _tokens(N, E, k, D, dev)
         paths = {"torch._grouped_mm bf16": lambda: grouped_mm_experts(x, top_idx, top_w, gate_up, down),
-                 "Triton MXFP4 tiles": lambda: moe_experts_triton(x, top_idx, top_w, **fp4, config={"gluon": False})}
-        for name, kw in GLUON_SWEEP.items():
-            paths[f"Gluon, {name}"] = (lambda kw: lambda: moe_experts_gluon(x, top_idx, top_w, *w, **kw))(kw)
-        want = moe_experts_gluon(x, top_idx, top_w, *w).float()
-        for name, kw in GLUON_SWEEP.items():
-            err = ((moe_experts_gluon(x, top_idx, top_w, *w, **kw).float() - want).abs().max() / want.abs().max())
+                 f"Triton {'bf16' if ws else 'MXFP4'} tiles": lambda: moe_experts_triton(x, top_idx, top_w, **tiles)}
+        for name, kw in launches.items():
+            paths[f"{label}, {name}"] = (lambda kw: lambda: run(x, top_idx, top_w, **kw))(kw)
+        want = run(x, top_idx, top_w, **next(iter(launches.values()))).float()
+        for name, kw in launches.items():
+            err = ((run(x, top_idx, top_w, **kw).float() - want).abs().max() / want.abs().max())
             # bf16 outputs whose fp32 atomics add in another order (other tiles): a rounding step apart at most
-            assert err.item() < 1e-2, f"Gluon {name} N={N}: rel err {err.item()}"
+            assert err.item() < 1e-2, f"{label} {name} N={N}: rel err {err.item()}"
         times = {name: [] for name in paths}
         for _ in range(args.rounds):
             for name, fn in paths.items():
                 times[name].append(_bench(fn, dev))
         peer = times["torch._grouped_mm bf16"]
+        flops = 2 * N * k * (3 * D * I)
         print(f"\n{N} tokens, {touched} experts touched, {args.rounds} rounds\n")
-        print("| path | best ms | spread | vs grouped_mm: best / median / worst round |")
-        print("| --- | --- | --- | --- |")
+        print("| path | best ms | spread | TFLOP/s (best) | vs grouped_mm: best / median / worst round |")
+        print("| --- | --- | --- | --- | --- |")
         for name, t in times.items():
             med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-            print(f"| {name} | {min(t):.3f} | {100 * (max(t) / min(t) - 1):.1f} % | {min(peer) / min(t):.2f}x / "
-                  f"{med(peer) / med(t):.2f}x / {max(peer) / max(t):.2f}x |", flush=True)
-        if N == 64:
+            print(f"| {name} | {min(t):.3f} | {100 * (max(t) / min(t) - 1):.1f} % | {flops / min(t) / 1e9:.1f} | "
+                  f"{min(peer) / min(t):.2f}x / {med(peer) / med(t):.2f}x / {max(peer) / max(t):.2f}x |", flush=True)
+        if N == 64 and not ws:
             for name, fn in paths.items():
                 if name.startswith("Gluon"):
                     print(f"{name}: kernels {_kernel_ms(fn)}")
@@ -351,6 +376,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=1, help="sweep: time every config this many times, interleaved")
     ap.add_argument("--kernel-times", action="store_true", help="sweep: add each kernel's time (torch.profiler)")
     ap.add_argument("--gluon-sweep", action="store_true", help="time the Gluon decode kernels' launch overrides")
+    ap.add_argument("--ws-sweep", action="store_true", help="time the warp-specialised bf16 kernels' launches")
     args = ap.parse_args()
     # top-k capped at the expert count, so a smoke run with few experts keeps the default --top-k
     E, k, (D, I), dev = args.experts, min(args.top_k, args.experts), args.dims, args.device
@@ -364,13 +390,15 @@ def main():
     for e in range(E):  # dequantise expert by expert: the fp32 temporaries of all 896 would not fit
         gate_up[e] = dequantize_mxfp4(w13p[e], w13s[e])
         down[e] = dequantize_mxfp4(w2p[e], w2s[e])
-    if args.sweep and "mxfp4" not in args.formats.lower().split(","):
+    if args.ws_sweep or (args.sweep and "mxfp4" not in args.formats.lower().split(",")):
         del fp4, w13p, w13s, w2p, w2s  # 16 GB: room for prefill's activations next to 59 GB of bf16 on an 80 GB card
         fp4 = None
     if args.sweep:
         return sweep(args, E, k, D, I, dev, fp4, gate_up, down)
     if args.gluon_sweep:
-        return gluon_sweep(args, E, k, D, dev, fp4, gate_up, down)
+        return gluon_sweep(args, E, k, D, I, dev, fp4, gate_up, down)
+    if args.ws_sweep:
+        return gluon_sweep(args, E, k, D, I, dev, fp4, gate_up, down, ws=True)
     rows = []
     for N in args.tokens:
         x, top_idx, top_w, touched = _tokens(N, E, k, D, dev)
