@@ -337,12 +337,24 @@ def _gluon_moe_ws_cases():
                        ("FP4", "GATE", "STAGES", "PRE", "WDEPTH", "W_STAGES"), 4,
                        f"FP4={fp4} GATE={gate} stages={stages} pre={pre} w_stages={w_stages}")
 
+    def run_tn(gate, stages, w_stages):
+        cex = dict(gluon_moe_ws._constexprs_tn(stages, w_stages, 232, 40), GATE=gate)
+        desc = dict(W_DESC=f"tensordesc<bf16[{8 if gate else 128},64],{cex['W_SMEM']!r}>",
+                    X_DESC=f"tensordesc<bf16[64,64],{cex['X_SMEM']!r}>", COUNTS="*i32")
+        _compile_gluon(gluon_moe_ws._ws_experts_tn, cex, lambda p: desc.get(p) or types.get(p, "i32"),
+                       ("K", "ROWS_E", "HALF", "I", "D"), ("GATE", "STAGES", "W_STAGES"), 4,
+                       f"tokens_n GATE={gate} stages={stages} w_stages={w_stages}")
+
     for fp4 in (True, False):
         for gate in (True, False):
             launches = ((4, 2, 2), (3, 1, 2), (4, 1, 1)) if fp4 else ((4, 2, 2), (3, 1, 2), (4, 0, 2, 6), (2, 0, 2, 2))
             for launch in launches:
                 yield (f"gluon ws experts FP4={fp4} GATE={gate} launch={launch}",
                        lambda a=(fp4, gate, *launch): run(*a))
+    for gate in (True, False):
+        for stages, w_stages in ((4, 6), (2, 2)):
+            yield (f"gluon ws experts tokens_n GATE={gate} launch={(stages, w_stages)}",
+                   lambda a=(gate, stages, w_stages): run_tn(*a))
 
 
 def _gluon_mla_cases():

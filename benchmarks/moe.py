@@ -37,10 +37,13 @@ variant checked against the default's output, with each kernel's profiler time a
     . scripts/device_env.sh && python3 benchmarks/moe.py --gluon-sweep --tokens 1024 1536 2048 4096 --rounds 3
 
 `--ws-sweep` does the same for the warp-specialised kernels on bf16 experts (`gluon_moe_ws`) over their launches
-(`WS_SWEEP`: ring depths with every operand by TMA, and the `cp.async` launch) beside `torch._grouped_mm` and the
-Triton bf16 tiles, with TFLOP/s; the MXFP4 copy is freed first (896 experts fit an H200, 448 an 80 GB card):
+(`WS_SWEEP`: ring depths with every operand by TMA, the tokens as the N side, and the `cp.async` launch) beside
+`torch._grouped_mm` and the Triton bf16 tiles, with TFLOP/s; the MXFP4 copy is freed first (896 experts fit an H200,
+448 an 80 GB card). A launch that fails or disagrees with the first is reported and left out of the timing.
+`--probe` then times them with every token on one expert (`compute_probe`: weights L2-resident, full tiles), so
+the weight stream is not the bound:
 
-    . scripts/device_env.sh && python3 benchmarks/moe.py --ws-sweep --tokens 8192 --rounds 3
+    . scripts/device_env.sh && python3 benchmarks/moe.py --ws-sweep --tokens 8192 --rounds 3 --probe
 """
 
 import argparse
@@ -51,7 +54,7 @@ import triton
 from ceilings import copy_tbs, matmul_tflops
 
 from k3_kernels.moe.reference import moe_experts
-from k3_kernels.moe.triton_moe import _DEFAULT_CONFIGS, _WS_MIN_ROWS, _is_decode, moe_experts_triton
+from k3_kernels.moe.triton_moe import _DEFAULT_CONFIGS, _WS_DENSE_LAUNCH, _WS_MIN_ROWS, _is_decode, moe_experts_triton
 from k3_kernels.mxfp4.reference import dequantize_mxfp4
 from k3_kernels.situ.reference import situ_glu
 
@@ -297,10 +300,14 @@ GLUON_SWEEP = {"default (2 buffers; K step 4, 2 at 64 slots)": {}, "3 buffers": 
                "16 token slots": dict(token_slots=16), "32 token slots": dict(token_slots=32),
                "64 token slots": dict(token_slots=64), "64 token slots, K step 4": dict(token_slots=64, k_step=4)}
 # `--ws-sweep`: launches of the warp-specialised kernels on bf16 experts (`gluon_moe_ws`); "TMA a + b" = every operand
-# by TMA, a token stages and b weight stages. The first is `_WS_DENSE_LAUNCH`, what "ours bf16" runs at prefill sizes.
+# by TMA, a token stages and b weight stages. The first is `_WS_DENSE_LAUNCH`, what "ours bf16" runs at prefill sizes;
+# "tokens as N" = `tokens_n` (the expert's token rows as the products' N side, padded to 16 rows, not 64).
 WS_SWEEP = {"TMA 4 + 6 (default)": dict(stages=4, w_stages=6), "TMA 4 + 4": dict(stages=4, w_stages=4),
             "TMA 4 + 5": dict(stages=4, w_stages=5), "TMA 5 + 4": dict(stages=5, w_stages=4),
-            "TMA 3 + 6": dict(stages=3, w_stages=6), "cp.async tokens 4 / 2": {}}
+            "TMA 3 + 6": dict(stages=3, w_stages=6), "cp.async tokens 4 / 2": {},
+            "tokens as N, TMA 4 + 6": dict(stages=4, w_stages=6, tokens_n=True),
+            "tokens as N, TMA 4 + 4": dict(stages=4, w_stages=4, tokens_n=True),
+            "tokens as N, TMA 3 + 6": dict(stages=3, w_stages=6, tokens_n=True)}
 
 
 def random_mxfp4(E, D, I, dev):
@@ -339,9 +346,14 @@ def gluon_sweep(args, E, k, D, I, dev, fp4, gate_up, down, ws=False):
             paths[f"{label}, {name}"] = (lambda kw: lambda: run(x, top_idx, top_w, **kw))(kw)
         want = run(x, top_idx, top_w, **next(iter(launches.values()))).float()
         for name, kw in launches.items():
-            err = ((run(x, top_idx, top_w, **kw).float() - want).abs().max() / want.abs().max())
+            try:
+                err = ((run(x, top_idx, top_w, **kw).float() - want).abs().max() / want.abs().max()).item()
+            except Exception as exc:  # noqa: BLE001 - one launch must not cost the others' figures
+                err = f"{type(exc).__name__}: {exc}"
             # bf16 outputs whose fp32 atomics add in another order (other tiles): a rounding step apart at most
-            assert err.item() < 1e-2, f"{label} {name} N={N}: rel err {err.item()}"
+            if not (isinstance(err, float) and err < 1e-2):
+                print(f"{label} {name} N={N}: left out, rel err / error against the first launch: {err}")
+                del paths[f"{label}, {name}"]
         times = {name: [] for name in paths}
         for _ in range(args.rounds):
             for name, fn in paths.items():
@@ -359,6 +371,30 @@ def gluon_sweep(args, E, k, D, I, dev, fp4, gate_up, down, ws=False):
             for name, fn in paths.items():
                 if name.startswith("Gluon"):
                     print(f"{name}: kernels {_kernel_ms(fn)}")
+    if ws and args.probe:
+        compute_probe(args, k, D, I, dev, run)
+
+
+def compute_probe(args, k, D, I, dev, run):
+    """`--ws-sweep --probe`: what the warp-specialised kernels reach when the weights are not the bound. N * k
+    one-assignment tokens all go to expert 0: its weights (44 MB of gate_up rows) stay in L2 across the programs
+    working on it at once, every tile is full, and no two rows of a tile add into one output row."""
+    print("\nCompute probe: every token to expert 0 (weights L2-resident, full tiles)\n")
+    print("| rows | launch | best ms | TFLOP/s |")
+    print("| --- | --- | --- | --- |")
+    for N in args.tokens:
+        rows = N * k
+        x = torch.randn(rows, D, device=dev, dtype=torch.bfloat16)
+        top_idx = torch.zeros(rows, 1, dtype=torch.long, device=dev)
+        top_w = torch.ones(rows, 1, device=dev)
+        for name, kw in WS_SWEEP.items():
+            if kw.get("w_stages") in (None, 6):  # the ring depths the sweep defaults to, and the cp.async launch
+                try:
+                    ms = min(_bench(lambda kw=kw: run(x, top_idx, top_w, **kw), dev) for _ in range(args.rounds))
+                except Exception as exc:  # noqa: BLE001 - one launch must not cost the others' figures
+                    print(f"| {rows} | {name} | {type(exc).__name__}: {exc} | |")
+                    continue
+                print(f"| {rows} | {name} | {ms:.3f} | {2 * rows * 3 * D * I / ms / 1e9:.1f} |", flush=True)
 
 
 def main():
@@ -377,6 +413,7 @@ def main():
     ap.add_argument("--kernel-times", action="store_true", help="sweep: add each kernel's time (torch.profiler)")
     ap.add_argument("--gluon-sweep", action="store_true", help="time the Gluon decode kernels' launch overrides")
     ap.add_argument("--ws-sweep", action="store_true", help="time the warp-specialised bf16 kernels' launches")
+    ap.add_argument("--probe", action="store_true", help="--ws-sweep: then their compute ceiling (one expert)")
     args = ap.parse_args()
     # top-k capped at the expert count, so a smoke run with few experts keeps the default --top-k
     E, k, (D, I), dev = args.experts, min(args.top_k, args.experts), args.dims, args.device
@@ -423,6 +460,9 @@ def main():
                 # gathers the token rows by cp.async instead
                 paths["ours bf16, warp-specialised, cp.async tokens"] = lambda: moe_experts_gluon_ws(
                     x, top_idx, top_w, gate_up=gate_up, down=down)
+                # the token rows as the products' N side, padded to 16 rows an expert instead of 64 (`tokens_n`)
+                paths["ours bf16, warp-specialised, tokens as N"] = lambda: moe_experts_gluon_ws(
+                    x, top_idx, top_w, gate_up=gate_up, down=down, **_WS_DENSE_LAUNCH, tokens_n=True)
         if N <= args.loop_max_tokens:
             paths["per-expert loop bf16"] = lambda: loop_experts(x, top_idx, top_w, gate_up, down)
         s = slice(0, min(N, 4))  # reference on a few tokens (fp32 over the touched experts)

@@ -26,6 +26,8 @@ A persistent grid (one program an SM) walks the (token group, column block) work
 consecutive tiles of one expert (`_tile_groups`). Consumers without a tile in the group still take part in the
 hand-overs. H100 (thirty-seventh session): bf16 experts at K3's 146 rows an expert 1.11x the Triton tiles; MXFP4 at
 8K tokens no faster than `gluon_moe` (30.41 against 29.71 ms: the one producer warpgroup's unpack sets the pace).
+`tokens_n` (opt-in, bf16 experts with every operand by TMA) swaps the operands: the weights on the left, an expert's
+token rows as the N side, rows aligned to 16 instead of 64 (the block before `_ws_experts_tn`).
 Gluon kernels do not run under `TRITON_INTERPRET`; tested on the GPU against the torch reference.
 """
 
@@ -373,6 +375,205 @@ def _ws_experts(X, W, WS, W_DESC, X_DESC, H, OUT, TOPW, SORTED, GROUPS, BLOCK_EX
     ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
+# ---- tokens as the MMA's N side (`tokens_n`, bf16 experts, every operand by TMA)
+#
+# Above, each consumer multiplies a 64-row token tile (wgmma's M is 64 rows a warpgroup), so an expert's rows are
+# padded to a multiple of 64: at K3's prefill load (146 rows an expert) three tiles, 192 slots, of which 24 % are
+# padding the tensor cores multiply all the same. Here the operands swap places: the weights are the left operand
+# (two consumers, 64 weight rows each) and the expert's token rows the right one, whose N side takes any multiple of
+# 8. Rows are aligned to 16 an expert, a work item takes up to TN_TILES 16-row tiles of one expert (192 rows), and
+# its token count is covered by one or two power-of-two accumulators (`_TN_PIECES`: 146 rows -> 128 + 32), so
+# padding is at most 16 rows and one piece's round-up.
+TN = gl.constexpr(16)  # rows a token tile (the expert alignment)
+TN_TILES = gl.constexpr(12)  # token tiles a work item: 192 rows, three 64-row TMA boxes
+# The forms a work item can take: (more than lo, at most hi 16-row tiles, first accumulator's columns, second's)
+_TN_PIECES = gl.constexpr(((0, 1, 16, 0), (1, 2, 32, 0), (2, 3, 32, 16), (3, 4, 64, 0), (4, 6, 64, 32), (6, 8, 128, 0),
+                           (8, 10, 128, 32), (10, 12, 128, 64)))
+
+
+@gluon.jit
+def _tn_fill_w(W_DESC, w_ring, w_ready, w_empty, n, k, row_a, row_b, GATE: gl.constexpr, W_STAGES: gl.constexpr):
+    """TMA: K step k's weights into weight stage n % W_STAGES. gate_up: consumer J's 64 rows are its 32 columns'
+    gate and up rows interleaved by 8 (stage row 64 J + 16 a + 8 p + c: gate (p = 0) or up row 32 J + 8 a + c of the
+    column block), so each thread's accumulator holds the gate and up values SiTU-GLU combines (rows r and r + 8 of
+    its warp's 16); down: 128 consecutive output rows."""
+    st = n % W_STAGES
+    mbarrier.wait(w_empty.index(st), ((n // W_STAGES) & 1) ^ 1)
+    mbarrier.expect(w_ready.index(st), 128 * BK * 2)
+    if GATE:
+        for j in gl.static_range(8):  # 8-row group j = 4 J + a
+            tma_load(W_DESC, [(row_a + 8 * j).to(gl.int32), k * BK], w_ready.index(st),
+                     w_ring.index(st).slice(16 * j, 8))
+            tma_load(W_DESC, [(row_b + 8 * j).to(gl.int32), k * BK], w_ready.index(st),
+                     w_ring.index(st).slice(16 * j + 8, 8))
+    else:
+        tma_load(W_DESC, [row_a.to(gl.int32), k * BK], w_ready.index(st), w_ring.index(st))
+
+
+@gluon.jit
+def _tn_fill_x(X_DESC, x_lo, x_hi, ready, empty, n, k, row0, nx, STAGES: gl.constexpr):
+    """TMA: K step k's token rows into stage n % STAGES: nx (1-3) boxes of 64 rows from row0 of x in slot order
+    (gate_up) or of h (down), rows 0-127 into `x_lo`, 128-191 into `x_hi` (shared-memory shapes are powers of two).
+    Rows past the item's own belong to the next expert or lie past the end (zeros); the epilogues mask them."""
+    st = n % STAGES
+    mbarrier.wait(empty.index(st), ((n // STAGES) & 1) ^ 1)
+    for j in gl.static_range(3):  # the byte count must be a compile-time constant
+        if j + 1 == nx:
+            mbarrier.expect(ready.index(st), (j + 1) * 64 * BK * 2)
+    tma_load(X_DESC, [row0, k * BK], ready.index(st), x_lo.index(st).slice(0, 64))
+    if nx > 1:
+        tma_load(X_DESC, [row0 + 64, k * BK], ready.index(st), x_lo.index(st).slice(64, 64))
+    if nx > 2:
+        tma_load(X_DESC, [row0 + 128, k * BK], ready.index(st), x_hi.index(st))
+
+
+@gluon.jit
+def _tn_item(GROUPS, COUNTS, BLOCK_EXPERT, w, NB):
+    """Work item w: its first 16-row tile, tile count, expert and column block."""
+    grp = w // NB
+    t = gl.load(GROUPS + grp)
+    return t, gl.load(COUNTS + grp), gl.load(BLOCK_EXPERT + t), w % NB
+
+
+@gluon.jit
+def _tn_producer(W_DESC, X_DESC, GROUPS, COUNTS, BLOCK_EXPERT, NGROUPS, x_lo, x_hi, w_ring, ready, empty, w_ready,
+                 w_empty, K, NB, ROWS_E, HALF, GATE: gl.constexpr, STAGES: gl.constexpr, W_STAGES: gl.constexpr):
+    """Per K step the weights and the item's token rows by TMA, each ring filled as soon as a stage is handed back."""
+    n_k = K // BK
+    total = gl.load(NGROUPS) * NB
+    it = 0
+    for w in range(gl.program_id(0), total, gl.num_programs(0)):
+        t, n, e, nb = _tn_item(GROUPS, COUNTS, BLOCK_EXPERT, w, NB)
+        row_a, row_b = _expert_rows(e, nb, ROWS_E, HALF, GATE)
+        for ks in range(n_k):
+            _tn_fill_w(W_DESC, w_ring, w_ready, w_empty, it, ks, row_a, row_b, GATE, W_STAGES)
+            _tn_fill_x(X_DESC, x_lo, x_hi, ready, empty, it, ks, t * TN, (n + 3) // 4, STAGES)
+            it += 1
+
+
+@gluon.jit
+def _tn_epilogue(acc, r0: gl.constexpr, P: gl.constexpr, H, OUT, TOPW, SORTED, t, n, nb, num_assign, top_k, I, D, beta,
+                 linear_beta, J: gl.constexpr, GATE: gl.constexpr, OLT: gl.constexpr):
+    """Columns r0 .. r0 + P of the item's token rows (slots t * 16 + r0 + c; those past the item's tiles are masked).
+    gate_up: SiTU-GLU of the interleaved gate / up rows into h's 32 columns 64 nb + 32 J..; down: the routing weight
+    and relaxed atomic adds into OUT's rows 128 nb + 64 J.."""
+    ACC: gl.constexpr = acc.type.layout
+    end = (t + n) * TN
+    if GATE:
+        # accumulator row 16 a + 8 p + c: p (a register bit of the layout) picks gate or up of column 8 a + c
+        g, u = gl.split(gl.permute(gl.reshape(acc, [4, 2, 8, P]), (0, 2, 3, 1)))
+        g = gl.reshape(g, [32, P])
+        u = gl.reshape(u, [32, P])
+        h = beta * _tanh(g / beta) * _sigmoid(g) * (linear_beta * _tanh(u / linear_beta))
+        h = gl.convert_layout(h.to(gl.bfloat16), OLT)  # a thread 8 consecutive columns of one slot: 16-byte stores
+        slot = t * TN + r0 + gl.arange(0, P, layout=gl.SliceLayout(0, OLT))
+        cols = nb * 64 + J * 32 + gl.arange(0, 32, layout=gl.SliceLayout(1, OLT))
+        gl.store(H + slot.to(gl.int64)[None, :] * I + cols[:, None], h, mask=(slot < end)[None, :])
+    else:
+        slot = t * TN + r0 + gl.arange(0, P, layout=gl.SliceLayout(0, ACC))
+        assign = gl.load(SORTED + slot, mask=slot < end, other=num_assign)
+        valid = assign < num_assign
+        token = (gl.where(valid, assign, 0) // top_k).to(gl.int64)
+        wt = gl.load(TOPW + assign, mask=valid, other=0.0)
+        d = nb * 128 + J * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
+        gl.atomic_add(OUT + token[None, :] * D + d[:, None], acc * wt[None, :], mask=valid[None, :], sem="relaxed")
+
+
+@gluon.jit
+def _tn_consume(x_lo, x_hi, w_ring, ready, empty, w_ready, w_empty, it, n_k, H, OUT, TOPW, SORTED, t, n, nb, num_assign,
+                top_k, I, D, beta, linear_beta, P0: gl.constexpr, P1: gl.constexpr, J: gl.constexpr,
+                GATE: gl.constexpr, STAGES: gl.constexpr, W_STAGES: gl.constexpr, OLT: gl.constexpr):
+    """One work item on consumer J: its 64 weight rows (left, from the weight stage) times the item's token rows
+    (right: rows 0 .. P0 into one accumulator, P0 .. P0 + P1 into a second), one step's products in flight."""
+    A0: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, P0, 16])
+    acc0 = gl.zeros([64, P0], gl.float32, A0)
+    if P1 > 0:
+        A1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, P1, 16])
+        acc1 = gl.zeros([64, P1], gl.float32, A1)
+    for ks in range(n_k):
+        st = it % STAGES
+        sw = it % W_STAGES
+        mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+        mbarrier.wait(w_ready.index(sw), (it // W_STAGES) & 1)
+        a = w_ring.index(sw).slice(64 * J, 64)
+        acc0 = warpgroup_mma(a, x_lo.index(st).slice(0, P0).permute((1, 0)), acc0, is_async=True)
+        if P1 > 0:
+            if P0 == 128:
+                b1 = x_hi.index(st).slice(0, P1)
+            else:
+                b1 = x_lo.index(st).slice(P0, P1)
+            acc1 = warpgroup_mma(a, b1.permute((1, 0)), acc1, is_async=True)
+            acc0, acc1 = warpgroup_mma_wait(2, deps=(acc0, acc1))
+        else:
+            acc0 = warpgroup_mma_wait(1, deps=(acc0, ))
+        # the previous step's products have retired: its stages go back
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=ks > 0)
+        mbarrier.arrive(w_empty.index((it + W_STAGES - 1) % W_STAGES), pred=ks > 0)
+        it += 1
+    if P1 > 0:
+        acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
+    else:
+        acc0 = warpgroup_mma_wait(0, deps=(acc0, ))
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+    mbarrier.arrive(w_empty.index((it + W_STAGES - 1) % W_STAGES))
+    _tn_epilogue(acc0, 0, P0, H, OUT, TOPW, SORTED, t, n, nb, num_assign, top_k, I, D, beta, linear_beta, J, GATE, OLT)
+    if P1 > 0:
+        _tn_epilogue(acc1, P0, P1, H, OUT, TOPW, SORTED, t, n, nb, num_assign, top_k, I, D, beta, linear_beta, J, GATE,
+                     OLT)
+    return it
+
+
+@gluon.jit
+def _tn_consumer(H, OUT, TOPW, SORTED, GROUPS, COUNTS, BLOCK_EXPERT, NGROUPS, x_lo, x_hi, w_ring, ready, empty, w_ready,
+                 w_empty, num_assign, top_k, K, NB, I, D, beta, linear_beta, J: gl.constexpr, GATE: gl.constexpr,
+                 STAGES: gl.constexpr, W_STAGES: gl.constexpr, OLT: gl.constexpr):
+    """Consumer J: every work item in the accumulator form of its tile count (`_TN_PIECES`; each form is its own
+    code)."""
+    n_k = K // BK
+    total = gl.load(NGROUPS) * NB
+    it = 0
+    for w in range(gl.program_id(0), total, gl.num_programs(0)):
+        t, n, _, nb = _tn_item(GROUPS, COUNTS, BLOCK_EXPERT, w, NB)
+        for f in gl.static_range(len(_TN_PIECES)):
+            if (n > _TN_PIECES[f][0]) & (n <= _TN_PIECES[f][1]):
+                it = _tn_consume(x_lo, x_hi, w_ring, ready, empty, w_ready, w_empty, it, n_k, H, OUT, TOPW, SORTED, t, n,
+                                 nb, num_assign, top_k, I, D, beta, linear_beta, _TN_PIECES[f][2], _TN_PIECES[f][3], J,
+                                 GATE, STAGES, W_STAGES, OLT)
+
+
+@gluon.jit
+def _ws_experts_tn(W_DESC, X_DESC, H, OUT, TOPW, SORTED, GROUPS, COUNTS, BLOCK_EXPERT, NGROUPS, num_assign, top_k, K,
+                   NB, ROWS_E, HALF, I, D, beta, linear_beta, GATE: gl.constexpr, STAGES: gl.constexpr,
+                   W_STAGES: gl.constexpr, OLT: gl.constexpr, X_SMEM: gl.constexpr, W_SMEM: gl.constexpr,
+                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """`tokens_n`: gate_up (GATE): H[item slots, 64 columns of block nb] = SiTU-GLU(x W_gate^T, x W_up^T), computed
+    transposed; down: OUT[token, 128 columns] += routing weight * (h W_down^T), likewise. Two consumer warpgroups
+    (64 weight rows each) and a producer; grid: programs walking NGROUPS[0] x NB work items."""
+    x_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, BK], X_SMEM)  # an item's token rows 0-127
+    x_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 64, BK], X_SMEM)  # and 128-191
+    w_ring = gl.allocate_shared_memory(gl.bfloat16, [W_STAGES, 128, BK], W_SMEM)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    w_ready = gl.allocate_shared_memory(gl.int64, [W_STAGES, 1], mbarrier.MBarrierLayout())
+    w_empty = gl.allocate_shared_memory(gl.int64, [W_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)
+    for s in gl.static_range(W_STAGES):
+        mbarrier.init(w_ready.index(s), count=1)
+        mbarrier.init(w_empty.index(s), count=2)
+    gl.warp_specialize([
+        (_tn_consumer, (H, OUT, TOPW, SORTED, GROUPS, COUNTS, BLOCK_EXPERT, NGROUPS, x_lo, x_hi, w_ring, ready, empty,
+                        w_ready, w_empty, num_assign, top_k, K, NB, I, D, beta, linear_beta, 0, GATE, STAGES, W_STAGES,
+                        OLT)),
+        (_tn_consumer, (H, OUT, TOPW, SORTED, GROUPS, COUNTS, BLOCK_EXPERT, NGROUPS, x_lo, x_hi, w_ring, ready, empty,
+                        w_ready, w_empty, num_assign, top_k, K, NB, I, D, beta, linear_beta, 1, GATE, STAGES, W_STAGES,
+                        OLT)),
+        (_tn_producer, (W_DESC, X_DESC, GROUPS, COUNTS, BLOCK_EXPERT, NGROUPS, x_lo, x_hi, w_ring, ready, empty, w_ready,
+                        w_empty, K, NB, ROWS_E, HALF, GATE, STAGES, W_STAGES)),
+    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 @functools.lru_cache(maxsize=None)
 def _constexprs(stages: int, pre: int, wdepth: int, consumer_regs: int, producer_regs: int, w_stages: int = 0) -> dict:
     """The kernel's launch constants; `w_stages` > 0 takes every operand by TMA, the bf16 weights into a ring of
@@ -391,19 +592,38 @@ def _constexprs(stages: int, pre: int, wdepth: int, consumer_regs: int, producer
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs)
 
 
-def _tile_groups(block_expert: torch.Tensor, run_end: torch.Tensor, run_len: torch.Tensor):
-    """Groups of up to G consecutive tiles of one expert, without a host sync: (GROUPS [tiles + 1] int32, the first
-    tile of each group in order; NGROUPS [1] int32)."""
+
+@functools.cache
+def _constexprs_tn(stages: int, w_stages: int, consumer_regs: int, producer_regs: int) -> dict:
+    """`tokens_n` launch constants: the rings' swizzled layouts (the 8-row weight boxes land in the 128-row stage's
+    layout) and h's store layout (a thread 8 consecutive columns of one slot)."""
+    smem = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    return dict(STAGES=stages, W_STAGES=w_stages, X_SMEM=smem, W_SMEM=smem,
+                OLT=gl.BlockedLayout([8, 1], [4, 8], [1, 4], [0, 1]),
+                CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs)
+
+
+def _tile_groups(block_expert: torch.Tensor, run_end: torch.Tensor, run_len: torch.Tensor, per_group: int = G.value,
+                 block: int = 64, counts: bool = False):
+    """Groups of up to `per_group` consecutive `block`-row tiles of one expert, without a host sync: (GROUPS
+    [tiles + 1] int32, the first tile of each group in order; NGROUPS [1] int32), and with `counts` also COUNTS
+    [tiles + 1] int32, each group's number of tiles."""
     tiles = block_expert.numel()
     idx = torch.arange(tiles, device=block_expert.device)
     e = block_expert.long()
     real = e >= 0
-    first = torch.where(real, (run_end - run_len)[e.clamp(min=0)] // 64, 0)
-    start = real & ((idx - first) % G.value == 0)
-    gid = torch.cumsum(start, 0) - 1
+    first = torch.where(real, (run_end - run_len)[e.clamp(min=0)] // block, 0)
+    start = real & ((idx - first) % per_group == 0)
+    slot = torch.where(start, torch.cumsum(start, 0) - 1, tiles)
     groups = torch.zeros(tiles + 1, dtype=torch.int32, device=block_expert.device)
-    groups.scatter_(0, torch.where(start, gid, tiles), idx.to(torch.int32))
-    return groups, start.sum().to(torch.int32).reshape(1)
+    groups.scatter_(0, slot, idx.to(torch.int32))
+    n_groups = start.sum().to(torch.int32).reshape(1)
+    if not counts:
+        return groups, n_groups
+    left = torch.where(real, run_end[e.clamp(min=0)] // block - idx, 0)  # the expert's tiles from this one on
+    n = torch.zeros(tiles + 1, dtype=torch.int32, device=block_expert.device)
+    n.scatter_(0, slot, left.clamp(max=per_group).to(torch.int32))
+    return groups, n_groups, n
 
 
 def _programs(device: torch.device) -> int:
@@ -422,15 +642,17 @@ def unsupported(fp4: bool, dtypes, D: int, I: int) -> str | None:
 
 def moe_experts_gluon_ws(x, top_idx, top_w, w13_packed=None, w13_scale=None, w2_packed=None, w2_scale=None, *,
                          gate_up=None, down=None, beta: float = 4.0, linear_beta: float = 25.0, stages: int = 4,
-                         pre: int | None = None, wdepth: int = 2, consumer_regs: int = 112, producer_regs: int = 160,
-                         w_stages: int = 0):
+                         pre: int | None = None, wdepth: int = 2, consumer_regs: int | None = None,
+                         producer_regs: int | None = None, w_stages: int = 0, tokens_n: bool = False):
     """x `[N, D]` -> `[N, D]` on MXFP4 experts in the released layout (as `gluon_moe.moe_experts_gluon`), or on bf16
     experts (`gate_up` `[E, 2 I, D]`, `down` `[E, D, I]`); Hopper only. `stages` ring stages (40 KB each), `pre` K
     steps the copies run ahead (at most stages - 2; default 2), `wdepth` K steps the packed words are loaded ahead (1
     or 2). `w_stages` >= 2 (bf16 only): every operand by TMA, the weights into a ring of their own of `w_stages`
     16 KB stages and the token tiles, from x gathered once into slot order, into `stages` 24 KB stages (at least 2);
     the producer then waits only for free stages, so each ring runs as far ahead as its depth and `pre` does not
-    apply."""
+    apply. `tokens_n` (with `w_stages`): the weights as the products' left operand and each expert's token rows,
+    aligned to 16 instead of 64, as the right (N) side, two consumer warpgroups of 64 weight rows (the block above
+    the module's functions spells it out); `stages` then counts 24 KB token stages of up to 192 rows."""
     fp4 = w13_packed is not None
     if fp4 == (gate_up is not None):
         raise ValueError("moe_experts_gluon_ws: pass either w13_packed/w13_scale/w2_packed/w2_scale or gate_up/down")
@@ -454,6 +676,8 @@ def moe_experts_gluon_ws(x, top_idx, top_w, w13_packed=None, w13_scale=None, w2_
                              f"no pre; got {'MXFP4' if fp4 else 'bf16'} experts, w_stages {w_stages}, stages "
                              f"{stages}, pre {pre}")
         pre = 0
+    elif tokens_n:
+        raise ValueError("moe_experts_gluon_ws: tokens_n takes every operand by TMA: pass w_stages too")
     else:
         pre = 2 if pre is None else pre
         # A consumer hands stage j back once it has issued step j + 1, and the producer waits for step
@@ -466,6 +690,10 @@ def moe_experts_gluon_ws(x, top_idx, top_w, w13_packed=None, w13_scale=None, w2_
     N, k = top_idx.shape
     if N == 0:
         return torch.zeros((0, D), device=x.device, dtype=x.dtype)
+    if tokens_n:
+        return _experts_tn(x, top_idx, top_w, W1, W2, stages, w_stages, consumer_regs or 232, producer_regs or 40,
+                           beta, linear_beta)
+    consumer_regs, producer_regs = consumer_regs or 112, producer_regs or 160
     sorted_ids, block_expert, tiles, run_end, run_len = _align(top_idx, E, 64)
     groups, n_groups = _tile_groups(block_expert, run_end, run_len)
     hbuf = torch.empty((tiles * 64, I), device=x.device, dtype=torch.bfloat16)
@@ -493,4 +721,35 @@ def moe_experts_gluon_ws(x, top_idx, top_w, w13_packed=None, w13_scale=None, w2_
     _ws_experts[grid](hbuf, W2, S2, d2, dx2, hbuf, out, topw, sorted_ids, groups, block_expert, n_groups, tiles, N * k,
                       k, I, D // 128, D, 64, I // 8, I // 32, I, D, beta, linear_beta, GATE=False, **cex, num_warps=4,
                       enable_fp_fusion=True)
+    return out.to(x.dtype)
+
+
+def _experts_tn(x, top_idx, top_w, W1, W2, stages, w_stages, consumer_regs, producer_regs, beta, linear_beta):
+    """`moe_experts_gluon_ws(..., tokens_n=True)` on bf16 experts `W1` `[E, 2 I, D]`, `W2` `[E, D, I]`."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    E, two_i, D = W1.shape
+    I = two_i // 2
+    N, k = top_idx.shape
+    sorted_ids, block_expert, tiles, run_end, run_len = _align(top_idx, E, TN.value)
+    groups, n_groups, counts = _tile_groups(block_expert, run_end, run_len, TN_TILES.value, TN.value, counts=True)
+    hbuf = torch.empty((tiles * TN.value, I), device=x.device, dtype=torch.bfloat16)
+    out = torch.zeros((N, D), device=x.device, dtype=torch.float32)
+    topw = top_w.reshape(-1).float().contiguous()
+    cex = _constexprs_tn(stages, w_stages, consumer_regs, producer_regs)
+    # x in slot order `[tiles * 16, D]`, pad slots repeating the last assignment's token (their h rows are never read
+    # into the output); the 64-row boxes of an item's rows: x (gate_up) and h (down)
+    xs = x.to(torch.bfloat16)[sorted_ids.clamp(max=N * k - 1).long() // k]
+    dx1 = TensorDescriptor.from_tensor(xs, [64, BK.value], cex["X_SMEM"])
+    dx2 = TensorDescriptor.from_tensor(hbuf, [64, BK.value], cex["X_SMEM"])
+    # gate_up: 8-row boxes, gate and up rows interleaved into the stage (`_tn_fill_w`); down: 128 output rows
+    d1 = TensorDescriptor.from_tensor(W1.view(E * two_i, D), [8, BK.value], cex["W_SMEM"])
+    d2 = TensorDescriptor.from_tensor(W2.view(E * D, I), [128, BK.value], cex["W_SMEM"])
+    grid = (_programs(x.device),)
+    # gate_up: K = D, I / 64 column blocks (gate rows n0.., up rows I + n0..); down: K = I, D / 128 row blocks
+    _ws_experts_tn[grid](d1, dx1, hbuf, out, topw, sorted_ids, groups, counts, block_expert, n_groups, N * k, k, D,
+                         I // 64, two_i, I, I, D, beta, linear_beta, GATE=True, **cex, num_warps=4,
+                         enable_fp_fusion=True)
+    _ws_experts_tn[grid](d2, dx2, hbuf, out, topw, sorted_ids, groups, counts, block_expert, n_groups, N * k, k, I,
+                         D // 128, D, 64, I, D, beta, linear_beta, GATE=False, **cex, num_warps=4, enable_fp_fusion=True)
     return out.to(x.dtype)
