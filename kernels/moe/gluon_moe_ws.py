@@ -392,22 +392,18 @@ _TN_PIECES = gl.constexpr(((0, 1, 16, 0), (1, 2, 32, 0), (2, 3, 32, 16), (3, 4, 
 
 
 @gluon.jit
-def _tn_fill_w(W_DESC, w_ring, w_ready, w_empty, n, k, row_a, row_b, GATE: gl.constexpr, W_STAGES: gl.constexpr):
-    """TMA: K step k's weights into weight stage n % W_STAGES. gate_up: consumer J's 64 rows are its 32 columns'
-    gate and up rows interleaved by 8 (stage row 64 J + 16 a + 8 p + c: gate (p = 0) or up row 32 J + 8 a + c of the
-    column block), so each thread's accumulator holds the gate and up values SiTU-GLU combines (rows r and r + 8 of
-    its warp's 16); down: 128 consecutive output rows."""
+def _tn_fill_w(W_DESC, w_ring, w_ready, w_empty, n, k, row_a, row_b, W_STAGES: gl.constexpr):
+    """TMA, gate_up: K step k's weights into weight stage n % W_STAGES, consumer J's 64 rows its 32 columns' gate and
+    up rows interleaved by 8 (stage row 64 J + 16 a + 8 p + c: gate (p = 0) or up row 32 J + 8 a + c of the column
+    block), so each thread's accumulator holds the gate and up values SiTU-GLU combines (rows r and r + 8 of its
+    warp's 16). Down takes `_fill_w`'s 128 consecutive output rows."""
     st = n % W_STAGES
     mbarrier.wait(w_empty.index(st), ((n // W_STAGES) & 1) ^ 1)
     mbarrier.expect(w_ready.index(st), 128 * BK * 2)
-    if GATE:
-        for j in gl.static_range(8):  # 8-row group j = 4 J + a
-            tma_load(W_DESC, [(row_a + 8 * j).to(gl.int32), k * BK], w_ready.index(st),
-                     w_ring.index(st).slice(16 * j, 8))
-            tma_load(W_DESC, [(row_b + 8 * j).to(gl.int32), k * BK], w_ready.index(st),
-                     w_ring.index(st).slice(16 * j + 8, 8))
-    else:
-        tma_load(W_DESC, [row_a.to(gl.int32), k * BK], w_ready.index(st), w_ring.index(st))
+    for j in gl.static_range(8):  # 8-row group j = 4 J + a
+        tma_load(W_DESC, [(row_a + 8 * j).to(gl.int32), k * BK], w_ready.index(st), w_ring.index(st).slice(16 * j, 8))
+        tma_load(W_DESC, [(row_b + 8 * j).to(gl.int32), k * BK], w_ready.index(st),
+                 w_ring.index(st).slice(16 * j + 8, 8))
 
 
 @gluon.jit
@@ -446,7 +442,10 @@ def _tn_producer(W_DESC, X_DESC, GROUPS, COUNTS, BLOCK_EXPERT, NGROUPS, x_lo, x_
         t, n, e, nb = _tn_item(GROUPS, COUNTS, BLOCK_EXPERT, w, NB)
         row_a, row_b = _expert_rows(e, nb, ROWS_E, HALF, GATE)
         for ks in range(n_k):
-            _tn_fill_w(W_DESC, w_ring, w_ready, w_empty, it, ks, row_a, row_b, GATE, W_STAGES)
+            if GATE:
+                _tn_fill_w(W_DESC, w_ring, w_ready, w_empty, it, ks, row_a, row_b, W_STAGES)
+            else:
+                _fill_w(W_DESC, w_ring, w_ready, w_empty, it, ks, row_a, row_b, False, W_STAGES)
             _tn_fill_x(X_DESC, x_lo, x_hi, ready, empty, it, ks, t * TN, (n + 3) // 4, STAGES)
             it += 1
 

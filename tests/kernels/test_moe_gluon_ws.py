@@ -35,40 +35,26 @@ needs_hopper = pytest.mark.skipif(not HOPPER, reason="Gluon wgmma kernels need a
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_tile_groups(seed):
-    """Every real tile is in exactly one group; a group is up to three consecutive tiles of one expert, starting at
-    the expert's first tile or three after a group start; spare tiles (expert -1) are in none."""
+@pytest.mark.parametrize("block,per_group", [(64, 3), (16, 12)])
+def test_tile_groups(seed, block, per_group):
+    """Every real tile is in exactly one group; a group is up to `per_group` consecutive tiles of one expert, starting
+    at the expert's first tile or `per_group` after a group start; spare tiles (expert -1) are in none; with `counts`
+    each group's count is the expert's tiles left from its start, at most `per_group` (the 64-row kernels' groups of
+    three, and the 16-row items of `tokens_n`)."""
     g = torch.Generator().manual_seed(seed)
     E, A = 7, int(torch.randint(1, 900, (1,), generator=g))
     flat = torch.randint(0, E, (A,), generator=g)
     flat[: A // 3] = seed % E  # a hot expert over several groups
-    tiles = -(-A // 64) + min(E, A)
-    _, block_expert, _, end, padded = _align_torch(flat, E, 64, tiles)
-    groups, n = _tile_groups(block_expert, end, padded)
-    want = []
-    for e in range(E):
-        first, count = int(end[e] - padded[e]) // 64, int(padded[e]) // 64
-        want += list(range(first, first + count, 3))
-    assert int(n) == len(want)
-    assert groups[: len(want)].tolist() == want
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_tile_groups_counts(seed):
-    """With `counts`: groups of up to 12 16-row tiles, each group's count the expert's tiles left from its start
-    (at most 12), the counts of an expert's groups summing to its tiles."""
-    g = torch.Generator().manual_seed(seed)
-    E, A = 9, int(torch.randint(1, 700, (1,), generator=g))
-    flat = torch.randint(0, E, (A,), generator=g)
-    flat[: A // 2] = seed % E  # a hot expert over several groups
-    tiles = -(-A // 16) + min(E, A)
-    _, block_expert, _, end, padded = _align_torch(flat, E, 16, tiles)
-    groups, n, counts = _tile_groups(block_expert, end, padded, 12, 16, counts=True)
+    tiles = -(-A // block) + min(E, A)
+    _, block_expert, _, end, padded = _align_torch(flat, E, block, tiles)
+    groups, n, counts = _tile_groups(block_expert, end, padded, per_group, block, counts=True)
+    assert all(torch.equal(a, b) for a, b in zip(_tile_groups(block_expert, end, padded, per_group, block),
+                                                 (groups, n)))
     want, want_counts = [], []
     for e in range(E):
-        first, count = int(end[e] - padded[e]) // 16, int(padded[e]) // 16
-        want += list(range(first, first + count, 12))
-        want_counts += [min(12, first + count - t) for t in range(first, first + count, 12)]
+        first, count = int(end[e] - padded[e]) // block, int(padded[e]) // block
+        want += list(range(first, first + count, per_group))
+        want_counts += [min(per_group, first + count - t) for t in range(first, first + count, per_group)]
     assert int(n) == len(want)
     assert groups[: len(want)].tolist() == want
     assert counts[: len(want)].tolist() == want_counts
