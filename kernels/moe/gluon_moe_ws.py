@@ -383,7 +383,9 @@ def _ws_experts(X, W, WS, W_DESC, X_DESC, H, OUT, TOPW, SORTED, GROUPS, BLOCK_EX
 # (two consumers, 64 weight rows each) and the expert's token rows the right one, whose N side takes any multiple of
 # 8. Rows are aligned to 16 an expert, a work item takes up to TN_TILES 16-row tiles of one expert (192 rows), and
 # its token count is covered by one or two power-of-two accumulators (`_TN_PIECES`: 146 rows -> 128 + 32), so
-# padding is at most 16 rows and one piece's round-up.
+# padding is at most 16 rows and one piece's round-up. Correct, but not yet faster (H100, 146 rows an expert: 16.07
+# against 12.66 ms): with full tiles its down kernel is within 7 % of the default's and its gate_up 74 % slower, so
+# the 16 8-row weight boxes a step are what to fix (BENCHMARKS.md, fortieth session).
 TN = gl.constexpr(16)  # rows a token tile (the expert alignment)
 TN_TILES = gl.constexpr(12)  # token tiles a work item: 192 rows, three 64-row TMA boxes
 # The forms a work item can take: (more than lo, at most hi 16-row tiles, first accumulator's columns, second's)
