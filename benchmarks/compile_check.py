@@ -337,13 +337,14 @@ def _gluon_moe_ws_cases():
                        ("FP4", "GATE", "STAGES", "PRE", "WDEPTH", "W_STAGES"), 4,
                        f"FP4={fp4} GATE={gate} stages={stages} pre={pre} w_stages={w_stages}")
 
-    def run_tn(gate, stages, w_stages):
-        cex = dict(gluon_moe_ws._constexprs_tn(stages, w_stages, 232, 40), GATE=gate)
-        desc = dict(W_DESC=f"tensordesc<bf16[{8 if gate else 128},64],{cex['W_SMEM']!r}>",
+    def run_tn(gate, stages, w_stages, w_regs):
+        cex = dict(gluon_moe_ws._constexprs_tn(stages, w_stages, 232, 40, w_regs), GATE=gate)
+        w_box = ",".join(map(str, gluon_moe_ws.TN_W_BOX)) if gate else "128,64"
+        desc = dict(W_DESC=f"tensordesc<bf16[{w_box}],{gluon_moe_ws.TN_W_SMEM if gate else cex['W_SMEM']!r}>",
                     X_DESC=f"tensordesc<bf16[64,64],{cex['X_SMEM']!r}>", COUNTS="*i32")
         _compile_gluon(gluon_moe_ws._ws_experts_tn, cex, lambda p: desc.get(p) or types.get(p, "i32"),
-                       ("K", "ROWS_E", "HALF", "I", "D"), ("GATE", "STAGES", "W_STAGES"), 4,
-                       f"tokens_n GATE={gate} stages={stages} w_stages={w_stages}")
+                       ("K", "ROWS_E", "HALF", "I", "D"), ("GATE", "STAGES", "W_STAGES", "A_REGS"), 4,
+                       f"tokens_n GATE={gate} stages={stages} w_stages={w_stages} w_regs={w_regs}")
 
     for fp4 in (True, False):
         for gate in (True, False):
@@ -352,9 +353,8 @@ def _gluon_moe_ws_cases():
                 yield (f"gluon ws experts FP4={fp4} GATE={gate} launch={launch}",
                        lambda a=(fp4, gate, *launch): run(*a))
     for gate in (True, False):
-        for stages, w_stages in ((4, 6), (2, 2)):
-            yield (f"gluon ws experts tokens_n GATE={gate} launch={(stages, w_stages)}",
-                   lambda a=(gate, stages, w_stages): run_tn(*a))
+        for launch in ((4, 6, False), (2, 2, False), (4, 6, True), (2, 2, True)):
+            yield (f"gluon ws experts tokens_n GATE={gate} launch={launch}", lambda a=(gate, *launch): run_tn(*a))
 
 
 def _gluon_mla_cases():

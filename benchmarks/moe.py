@@ -301,13 +301,16 @@ GLUON_SWEEP = {"default (2 buffers; K step 4, 2 at 64 slots)": {}, "3 buffers": 
                "64 token slots": dict(token_slots=64), "64 token slots, K step 4": dict(token_slots=64, k_step=4)}
 # `--ws-sweep`: launches of the warp-specialised kernels on bf16 experts (`gluon_moe_ws`); "TMA a + b" = every operand
 # by TMA, a token stages and b weight stages. The first is `_WS_DENSE_LAUNCH`, what "ours bf16" runs at prefill sizes;
-# "tokens as N" = `tokens_n` (the expert's token rows as the products' N side, padded to 16 rows, not 64).
+# "tokens as N" = `tokens_n` (the expert's token rows as the products' N side, padded to 16 rows, not 64), "weights in
+# registers" = its `w_regs`.
 WS_SWEEP = {"TMA 4 + 6 (default)": dict(stages=4, w_stages=6), "TMA 4 + 4": dict(stages=4, w_stages=4),
             "TMA 4 + 5": dict(stages=4, w_stages=5), "TMA 5 + 4": dict(stages=5, w_stages=4),
             "TMA 3 + 6": dict(stages=3, w_stages=6), "cp.async tokens 4 / 2": {},
             "tokens as N, TMA 4 + 6": dict(stages=4, w_stages=6, tokens_n=True),
             "tokens as N, TMA 4 + 4": dict(stages=4, w_stages=4, tokens_n=True),
-            "tokens as N, TMA 3 + 6": dict(stages=3, w_stages=6, tokens_n=True)}
+            "tokens as N, TMA 3 + 6": dict(stages=3, w_stages=6, tokens_n=True),
+            "tokens as N, weights in registers, TMA 4 + 6": dict(stages=4, w_stages=6, tokens_n=True, w_regs=True),
+            "tokens as N, weights in registers, TMA 5 + 4": dict(stages=5, w_stages=4, tokens_n=True, w_regs=True)}
 
 
 def random_mxfp4(E, D, I, dev):

@@ -383,9 +383,11 @@ def _ws_experts(X, W, WS, W_DESC, X_DESC, H, OUT, TOPW, SORTED, GROUPS, BLOCK_EX
 # (two consumers, 64 weight rows each) and the expert's token rows the right one, whose N side takes any multiple of
 # 8. Rows are aligned to 16 an expert, a work item takes up to TN_TILES 16-row tiles of one expert (192 rows), and
 # its token count is covered by one or two power-of-two accumulators (`_TN_PIECES`: 146 rows -> 128 + 32), so
-# padding is at most 16 rows and one piece's round-up. Correct, but not yet faster (H100, 146 rows an expert: 16.07
-# against 12.66 ms): with full tiles its down kernel is within 7 % of the default's and its gate_up 74 % slower, so
-# the 16 8-row weight boxes a step are what to fix (BENCHMARKS.md, fortieth session).
+# padding is at most 16 rows and one piece's round-up. gate_up takes its weights in one 5-D box a step
+# (`_tn_gate_up_view`). Correct, but not yet faster (H100, 146 rows an expert: 14.05 against 12.65 ms; with full
+# tiles within 4 % of the default): the second, narrow product of an item re-reads the weight rows from shared
+# memory for few token columns, which `w_regs` (weights through registers) addresses (BENCHMARKS.md, forty-first
+# session).
 TN = gl.constexpr(16)  # rows a token tile (the expert alignment)
 TN_TILES = gl.constexpr(12)  # token tiles a work item: 192 rows, three 64-row TMA boxes
 # The forms a work item can take: (more than lo, at most hi 16-row tiles, first accumulator's columns, second's)
@@ -394,18 +396,17 @@ _TN_PIECES = gl.constexpr(((0, 1, 16, 0), (1, 2, 32, 0), (2, 3, 32, 16), (3, 4, 
 
 
 @gluon.jit
-def _tn_fill_w(W_DESC, w_ring, w_ready, w_empty, n, k, row_a, row_b, W_STAGES: gl.constexpr):
-    """TMA, gate_up: K step k's weights into weight stage n % W_STAGES, consumer J's 64 rows its 32 columns' gate and
-    up rows interleaved by 8 (stage row 64 J + 16 a + 8 p + c: gate (p = 0) or up row 32 J + 8 a + c of the column
-    block), so each thread's accumulator holds the gate and up values SiTU-GLU combines (rows r and r + 8 of its
-    warp's 16). Down takes `_fill_w`'s 128 consecutive output rows."""
+def _tn_fill_w(W_DESC, w_ring, w_ready, w_empty, n, k, e, nb, W_STAGES: gl.constexpr):
+    """TMA, gate_up: K step k's weights into weight stage n % W_STAGES in one 5-D box of `_tn_gate_up_view`, consumer
+    J's 64 rows its 32 columns' gate and up rows interleaved by 8 (stage row 64 J + 16 a + 8 p + c: gate (p = 0) or
+    up row 32 J + 8 a + c of the column block), so each thread's accumulator holds the gate and up values SiTU-GLU
+    combines (rows r and r + 8 of its warp's 16). Down takes `_fill_w`'s 128 consecutive output rows."""
     st = n % W_STAGES
     mbarrier.wait(w_empty.index(st), ((n // W_STAGES) & 1) ^ 1)
     mbarrier.expect(w_ready.index(st), 128 * BK * 2)
-    for j in gl.static_range(8):  # 8-row group j = 4 J + a
-        tma_load(W_DESC, [(row_a + 8 * j).to(gl.int32), k * BK], w_ready.index(st), w_ring.index(st).slice(16 * j, 8))
-        tma_load(W_DESC, [(row_b + 8 * j).to(gl.int32), k * BK], w_ready.index(st),
-                 w_ring.index(st).slice(16 * j + 8, 8))
+    # the stage's [128, 64] as the box [1 expert, 8 groups, gate / up, 8 rows, 64 inputs]: the same bytes, since the
+    # 128-byte swizzle runs along the rows of 64 inputs whatever the outer dimensions
+    tma_load(W_DESC, [e, nb * 8, 0, 0, k * BK], w_ready.index(st), w_ring.index(st).reshape([1, 8, 2, 8, BK]))
 
 
 @gluon.jit
@@ -445,7 +446,7 @@ def _tn_producer(W_DESC, X_DESC, GROUPS, COUNTS, BLOCK_EXPERT, NGROUPS, x_lo, x_
         row_a, row_b = _expert_rows(e, nb, ROWS_E, HALF, GATE)
         for ks in range(n_k):
             if GATE:
-                _tn_fill_w(W_DESC, w_ring, w_ready, w_empty, it, ks, row_a, row_b, W_STAGES)
+                _tn_fill_w(W_DESC, w_ring, w_ready, w_empty, it, ks, e, nb, W_STAGES)
             else:
                 _fill_w(W_DESC, w_ring, w_ready, w_empty, it, ks, row_a, row_b, False, W_STAGES)
             _tn_fill_x(X_DESC, x_lo, x_hi, ready, empty, it, ks, t * TN, (n + 3) // 4, STAGES)
@@ -483,40 +484,63 @@ def _tn_epilogue(acc, r0: gl.constexpr, P: gl.constexpr, H, OUT, TOPW, SORTED, t
 @gluon.jit
 def _tn_consume(x_lo, x_hi, w_ring, ready, empty, w_ready, w_empty, it, n_k, H, OUT, TOPW, SORTED, t, n, nb, num_assign,
                 top_k, I, D, beta, linear_beta, P0: gl.constexpr, P1: gl.constexpr, J: gl.constexpr,
-                GATE: gl.constexpr, STAGES: gl.constexpr, W_STAGES: gl.constexpr, OLT: gl.constexpr):
+                GATE: gl.constexpr, STAGES: gl.constexpr, W_STAGES: gl.constexpr, OLT: gl.constexpr,
+                A_REGS: gl.constexpr):
     """One work item on consumer J: its 64 weight rows (left, from the weight stage) times the item's token rows
-    (right: rows 0 .. P0 into one accumulator, P0 .. P0 + P1 into a second), one step's products in flight."""
+    (right: rows 0 .. P0 into one accumulator, P0 .. P0 + P1 into a second), one step's products in flight.
+    `A_REGS`: the weight rows go through registers, read from shared memory once for both products instead of once
+    each (a second product of 16 or 32 columns reads 2 KB of weights per 1 KB of tokens: shared-memory bound), and
+    the weight stage goes back as soon as they are loaded."""
     A0: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, P0, 16])
     acc0 = gl.zeros([64, P0], gl.float32, A0)
     if P1 > 0:
         A1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, P1, 16])
         acc1 = gl.zeros([64, P1], gl.float32, A1)
+    if A_REGS:
+        AR: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=A0, k_width=2)
+        # the previous step's weight registers, carried so that they live until the wait that retires its products
+        a_prev = gl.zeros([64, BK], gl.bfloat16, AR)
     for ks in range(n_k):
         st = it % STAGES
         sw = it % W_STAGES
         mbarrier.wait(ready.index(st), (it // STAGES) & 1)
         mbarrier.wait(w_ready.index(sw), (it // W_STAGES) & 1)
-        a = w_ring.index(sw).slice(64 * J, 64)
+        if A_REGS:
+            a = w_ring.index(sw).slice(64 * J, 64).load(AR)
+            mbarrier.arrive(w_empty.index(sw))
+        else:
+            a = w_ring.index(sw).slice(64 * J, 64)
         acc0 = warpgroup_mma(a, x_lo.index(st).slice(0, P0).permute((1, 0)), acc0, is_async=True)
         if P1 > 0:
             if P0 == 128:
                 b1 = x_hi.index(st).slice(0, P1)
             else:
                 b1 = x_lo.index(st).slice(P0, P1)
-            acc1 = warpgroup_mma(a, b1.permute((1, 0)), acc1, is_async=True)
-            acc0, acc1 = warpgroup_mma_wait(2, deps=(acc0, acc1))
+            if A_REGS:
+                acc1 = warpgroup_mma(gl.convert_layout(a, gl.DotOperandLayout(operand_index=0, parent=A1, k_width=2)),
+                                     b1.permute((1, 0)), acc1, is_async=True)
+                acc0, acc1, a_prev = warpgroup_mma_wait(2, deps=(acc0, acc1, a_prev))
+            else:
+                acc1 = warpgroup_mma(a, b1.permute((1, 0)), acc1, is_async=True)
+                acc0, acc1 = warpgroup_mma_wait(2, deps=(acc0, acc1))
+        elif A_REGS:
+            acc0, a_prev = warpgroup_mma_wait(1, deps=(acc0, a_prev))
         else:
             acc0 = warpgroup_mma_wait(1, deps=(acc0, ))
+        if A_REGS:
+            a_prev = a
         # the previous step's products have retired: its stages go back
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=ks > 0)
-        mbarrier.arrive(w_empty.index((it + W_STAGES - 1) % W_STAGES), pred=ks > 0)
+        if not A_REGS:
+            mbarrier.arrive(w_empty.index((it + W_STAGES - 1) % W_STAGES), pred=ks > 0)
         it += 1
     if P1 > 0:
         acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
     else:
         acc0 = warpgroup_mma_wait(0, deps=(acc0, ))
     mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
-    mbarrier.arrive(w_empty.index((it + W_STAGES - 1) % W_STAGES))
+    if not A_REGS:
+        mbarrier.arrive(w_empty.index((it + W_STAGES - 1) % W_STAGES))
     _tn_epilogue(acc0, 0, P0, H, OUT, TOPW, SORTED, t, n, nb, num_assign, top_k, I, D, beta, linear_beta, J, GATE, OLT)
     if P1 > 0:
         _tn_epilogue(acc1, P0, P1, H, OUT, TOPW, SORTED, t, n, nb, num_assign, top_k, I, D, beta, linear_beta, J, GATE,
@@ -527,7 +551,7 @@ def _tn_consume(x_lo, x_hi, w_ring, ready, empty, w_ready, w_empty, it, n_k, H, 
 @gluon.jit
 def _tn_consumer(H, OUT, TOPW, SORTED, GROUPS, COUNTS, BLOCK_EXPERT, NGROUPS, x_lo, x_hi, w_ring, ready, empty, w_ready,
                  w_empty, num_assign, top_k, K, NB, I, D, beta, linear_beta, J: gl.constexpr, GATE: gl.constexpr,
-                 STAGES: gl.constexpr, W_STAGES: gl.constexpr, OLT: gl.constexpr):
+                 STAGES: gl.constexpr, W_STAGES: gl.constexpr, OLT: gl.constexpr, A_REGS: gl.constexpr):
     """Consumer J: every work item in the accumulator form of its tile count (`_TN_PIECES`; each form is its own
     code)."""
     n_k = K // BK
@@ -539,14 +563,14 @@ def _tn_consumer(H, OUT, TOPW, SORTED, GROUPS, COUNTS, BLOCK_EXPERT, NGROUPS, x_
             if (n > _TN_PIECES[f][0]) & (n <= _TN_PIECES[f][1]):
                 it = _tn_consume(x_lo, x_hi, w_ring, ready, empty, w_ready, w_empty, it, n_k, H, OUT, TOPW, SORTED, t, n,
                                  nb, num_assign, top_k, I, D, beta, linear_beta, _TN_PIECES[f][2], _TN_PIECES[f][3], J,
-                                 GATE, STAGES, W_STAGES, OLT)
+                                 GATE, STAGES, W_STAGES, OLT, A_REGS)
 
 
 @gluon.jit
 def _ws_experts_tn(W_DESC, X_DESC, H, OUT, TOPW, SORTED, GROUPS, COUNTS, BLOCK_EXPERT, NGROUPS, num_assign, top_k, K,
                    NB, ROWS_E, HALF, I, D, beta, linear_beta, GATE: gl.constexpr, STAGES: gl.constexpr,
                    W_STAGES: gl.constexpr, OLT: gl.constexpr, X_SMEM: gl.constexpr, W_SMEM: gl.constexpr,
-                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, A_REGS: gl.constexpr):
     """`tokens_n`: gate_up (GATE): H[item slots, 64 columns of block nb] = SiTU-GLU(x W_gate^T, x W_up^T), computed
     transposed; down: OUT[token, 128 columns] += routing weight * (h W_down^T), likewise. Two consumer warpgroups
     (64 weight rows each) and a producer; grid: programs walking NGROUPS[0] x NB work items."""
@@ -566,10 +590,10 @@ def _ws_experts_tn(W_DESC, X_DESC, H, OUT, TOPW, SORTED, GROUPS, COUNTS, BLOCK_E
     gl.warp_specialize([
         (_tn_consumer, (H, OUT, TOPW, SORTED, GROUPS, COUNTS, BLOCK_EXPERT, NGROUPS, x_lo, x_hi, w_ring, ready, empty,
                         w_ready, w_empty, num_assign, top_k, K, NB, I, D, beta, linear_beta, 0, GATE, STAGES, W_STAGES,
-                        OLT)),
+                        OLT, A_REGS)),
         (_tn_consumer, (H, OUT, TOPW, SORTED, GROUPS, COUNTS, BLOCK_EXPERT, NGROUPS, x_lo, x_hi, w_ring, ready, empty,
                         w_ready, w_empty, num_assign, top_k, K, NB, I, D, beta, linear_beta, 1, GATE, STAGES, W_STAGES,
-                        OLT)),
+                        OLT, A_REGS)),
         (_tn_producer, (W_DESC, X_DESC, GROUPS, COUNTS, BLOCK_EXPERT, NGROUPS, x_lo, x_hi, w_ring, ready, empty, w_ready,
                         w_empty, K, NB, ROWS_E, HALF, GATE, STAGES, W_STAGES)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
@@ -595,11 +619,11 @@ def _constexprs(stages: int, pre: int, wdepth: int, consumer_regs: int, producer
 
 
 @functools.cache
-def _constexprs_tn(stages: int, w_stages: int, consumer_regs: int, producer_regs: int) -> dict:
-    """`tokens_n` launch constants: the rings' swizzled layouts (the 8-row weight boxes land in the 128-row stage's
-    layout) and h's store layout (a thread 8 consecutive columns of one slot)."""
+def _constexprs_tn(stages: int, w_stages: int, consumer_regs: int, producer_regs: int, w_regs: bool = False) -> dict:
+    """`tokens_n` launch constants: the rings' swizzled layouts (gate_up's 5-D weight box, `TN_W_SMEM`, lands in the
+    128-row stage's layout) and h's store layout (a thread 8 consecutive columns of one slot)."""
     smem = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-    return dict(STAGES=stages, W_STAGES=w_stages, X_SMEM=smem, W_SMEM=smem,
+    return dict(STAGES=stages, W_STAGES=w_stages, X_SMEM=smem, W_SMEM=smem, A_REGS=w_regs,
                 OLT=gl.BlockedLayout([8, 1], [4, 8], [1, 4], [0, 1]),
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs)
 
@@ -644,7 +668,8 @@ def unsupported(fp4: bool, dtypes, D: int, I: int) -> str | None:
 def moe_experts_gluon_ws(x, top_idx, top_w, w13_packed=None, w13_scale=None, w2_packed=None, w2_scale=None, *,
                          gate_up=None, down=None, beta: float = 4.0, linear_beta: float = 25.0, stages: int = 4,
                          pre: int | None = None, wdepth: int = 2, consumer_regs: int | None = None,
-                         producer_regs: int | None = None, w_stages: int = 0, tokens_n: bool = False):
+                         producer_regs: int | None = None, w_stages: int = 0, tokens_n: bool = False,
+                         w_regs: bool = False):
     """x `[N, D]` -> `[N, D]` on MXFP4 experts in the released layout (as `gluon_moe.moe_experts_gluon`), or on bf16
     experts (`gate_up` `[E, 2 I, D]`, `down` `[E, D, I]`); Hopper only. `stages` ring stages (40 KB each), `pre` K
     steps the copies run ahead (at most stages - 2; default 2), `wdepth` K steps the packed words are loaded ahead (1
@@ -653,7 +678,9 @@ def moe_experts_gluon_ws(x, top_idx, top_w, w13_packed=None, w13_scale=None, w2_
     the producer then waits only for free stages, so each ring runs as far ahead as its depth and `pre` does not
     apply. `tokens_n` (with `w_stages`): the weights as the products' left operand and each expert's token rows,
     aligned to 16 instead of 64, as the right (N) side, two consumer warpgroups of 64 weight rows (the block above
-    the module's functions spells it out); `stages` then counts 24 KB token stages of up to 192 rows."""
+    the module's functions spells it out); `stages` then counts 24 KB token stages of up to 192 rows. `w_regs` (with
+    `tokens_n`): each step's weight rows are read from shared memory into registers once for the item's one or two
+    products instead of by each product."""
     fp4 = w13_packed is not None
     if fp4 == (gate_up is not None):
         raise ValueError("moe_experts_gluon_ws: pass either w13_packed/w13_scale/w2_packed/w2_scale or gate_up/down")
@@ -668,6 +695,8 @@ def moe_experts_gluon_ws(x, top_idx, top_w, w13_packed=None, w13_scale=None, w2_
     why = unsupported(fp4, (W1.dtype, W2.dtype), D, I)
     if why is not None:
         raise ValueError(f"moe_experts_gluon_ws: {why}")
+    if w_regs and not tokens_n:
+        raise ValueError("moe_experts_gluon_ws: w_regs is an option of tokens_n (the weights as the left operand)")
     if w_stages:
         # Bulk copies complete on the stage's barrier, not in the producer's threads: the producer fills a stage as
         # soon as it is handed back, and a consumer hands stage j back once it has issued step j + 1, so 2 stages
@@ -693,7 +722,7 @@ def moe_experts_gluon_ws(x, top_idx, top_w, w13_packed=None, w13_scale=None, w2_
         return torch.zeros((0, D), device=x.device, dtype=x.dtype)
     if tokens_n:
         return _experts_tn(x, top_idx, top_w, W1, W2, stages, w_stages, consumer_regs or 232, producer_regs or 40,
-                           beta, linear_beta)
+                           w_regs, beta, linear_beta)
     consumer_regs, producer_regs = consumer_regs or 112, producer_regs or 160
     sorted_ids, block_expert, tiles, run_end, run_len = _align(top_idx, E, 64)
     groups, n_groups = _tile_groups(block_expert, run_end, run_len)
@@ -725,7 +754,20 @@ def moe_experts_gluon_ws(x, top_idx, top_w, w13_packed=None, w13_scale=None, w2_
     return out.to(x.dtype)
 
 
-def _experts_tn(x, top_idx, top_w, W1, W2, stages, w_stages, consumer_regs, producer_regs, beta, linear_beta):
+def _tn_gate_up_view(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up `[E, 2 I, D]` as `[E, I / 8, 2, 8, D]` (a view): [e, g, p, c] is gate (p = 0) or up (p = 1) row
+    8 g + c of expert e, so the box [1, 8, 2, 8, 64] at (e, 8 nb, 0, 0, k) is column block nb's 64 gate and 64 up
+    rows interleaved by 8, the stage `_tn_fill_w` loads."""
+    E, two_i, D = gate_up.shape
+    return gate_up.view(E, 2, two_i // 16, 8, D).permute(0, 2, 1, 3, 4)  # [E, I / 8, 2, 8, D]
+
+
+# gate_up's weight box in `_tn_gate_up_view` and its shared layout: the 128-byte swizzle of the stage's 2-D layout
+TN_W_BOX = [1, 8, 2, 8, BK.value]
+TN_W_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=5)
+
+
+def _experts_tn(x, top_idx, top_w, W1, W2, stages, w_stages, consumer_regs, producer_regs, w_regs, beta, linear_beta):
     """`moe_experts_gluon_ws(..., tokens_n=True)` on bf16 experts `W1` `[E, 2 I, D]`, `W2` `[E, D, I]`."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -737,14 +779,15 @@ def _experts_tn(x, top_idx, top_w, W1, W2, stages, w_stages, consumer_regs, prod
     hbuf = torch.empty((tiles * TN.value, I), device=x.device, dtype=torch.bfloat16)
     out = torch.zeros((N, D), device=x.device, dtype=torch.float32)
     topw = top_w.reshape(-1).float().contiguous()
-    cex = _constexprs_tn(stages, w_stages, consumer_regs, producer_regs)
+    cex = _constexprs_tn(stages, w_stages, consumer_regs, producer_regs, w_regs)
     # x in slot order `[tiles * 16, D]`, pad slots repeating the last assignment's token (their h rows are never read
     # into the output); the 64-row boxes of an item's rows: x (gate_up) and h (down)
     xs = x.to(torch.bfloat16)[sorted_ids.clamp(max=N * k - 1).long() // k]
     dx1 = TensorDescriptor.from_tensor(xs, [64, BK.value], cex["X_SMEM"])
     dx2 = TensorDescriptor.from_tensor(hbuf, [64, BK.value], cex["X_SMEM"])
-    # gate_up: 8-row boxes, gate and up rows interleaved into the stage (`_tn_fill_w`); down: 128 output rows
-    d1 = TensorDescriptor.from_tensor(W1.view(E * two_i, D), [8, BK.value], cex["W_SMEM"])
+    # gate_up: one box of 8 groups of 8 gate and 8 up rows a step, interleaved into the stage (`_tn_fill_w`); down:
+    # 128 output rows
+    d1 = TensorDescriptor.from_tensor(_tn_gate_up_view(W1), TN_W_BOX, TN_W_SMEM)
     d2 = TensorDescriptor.from_tensor(W2.view(E * D, I), [128, BK.value], cex["W_SMEM"])
     grid = (_programs(x.device),)
     # gate_up: K = D, I / 64 column blocks (gate rows n0.., up rows I + n0..); down: K = I, D / 128 row blocks

@@ -19,7 +19,9 @@ from k3_kernels.moe.gluon_moe_ws import (  # noqa: E402
     _TN_PIECES,
     TN,
     TN_TILES,
+    TN_W_BOX,
     _tile_groups,
+    _tn_gate_up_view,
     moe_experts_gluon_ws,
 )
 from k3_kernels.moe.triton_moe import (  # noqa: E402
@@ -143,6 +145,27 @@ def test_tokens_n_forms():
         assert p1 == 0 or p0 == 128 or p0 + p1 <= 128  # the second piece within one of the two shared buffers
 
 
+@pytest.mark.parametrize("I", [64, 192])
+def test_tokens_n_weight_box(I):
+    """gate_up's 5-D TMA box (`_tn_gate_up_view` at (e, 8 nb, 0, 0, 64 k), `TN_W_BOX`) brings the stage the
+    epilogue splits: row 64 J + 16 a + 8 p + c is gate (p = 0) or up (p = 1) row 32 J + 8 a + c of column block nb,
+    for every block, expert and K step; the view is the weights' own memory, with TMA-legal strides."""
+    E, D = 3, 192
+    gate_up = torch.randn(E, 2 * I, D)
+    view = _tn_gate_up_view(gate_up)
+    assert view.data_ptr() == gate_up.data_ptr() and view.stride(-1) == 1
+    assert all(s * 2 % 16 == 0 for s in view.stride()[:-1])  # bf16 strides, 16-byte multiples
+    b = TN_W_BOX
+    J, a, p, c = torch.meshgrid(*map(torch.arange, (2, 4, 2, 8)), indexing="ij")
+    stage_row, block_row = (64 * J + 16 * a + 8 * p + c).flatten(), (32 * J + 8 * a + c).flatten()
+    for e in range(E):
+        for nb in range(I // 64):
+            for k0 in range(0, D, b[4]):
+                box = view[e: e + b[0], 8 * nb: 8 * nb + b[1], : b[2], : b[3], k0: k0 + b[4]].reshape(128, b[4])
+                want = gate_up[e, p.flatten() * I + 64 * nb + block_row, k0: k0 + b[4]]
+                assert torch.equal(box[stage_row], want)
+
+
 @needs_hopper
 @pytest.mark.parametrize("stages,pre,wdepth", [(4, 2, 2), (3, 1, 2), (4, 1, 1)])
 @pytest.mark.parametrize("N,E,k,D,I,hot", [
@@ -166,14 +189,17 @@ def test_matches_reference(N, E, k, D, I, hot, stages, pre, wdepth):
 @needs_hopper
 @pytest.mark.parametrize("launch", [{}, dict(stages=3, pre=1), dict(w_stages=6), dict(stages=5, w_stages=4),
                                     dict(stages=2, w_stages=2), dict(w_stages=6, tokens_n=True),
-                                    dict(stages=2, w_stages=2, tokens_n=True)])
+                                    dict(stages=2, w_stages=2, tokens_n=True),
+                                    dict(w_stages=6, tokens_n=True, w_regs=True),
+                                    dict(stages=2, w_stages=2, tokens_n=True, w_regs=True)])
 @pytest.mark.parametrize("N,E,k,D,I,hot", [(1, 8, 2, 128, 64, 0.0), (300, 6, 4, 256, 128, 0.6), (1000, 16, 4, 384, 320, 0.3),
                                            (200, 12, 6, 256, 192, 0.0)])
 def test_dense_matches_reference(N, E, k, D, I, hot, launch):
     """bf16 experts: the weight rows copied into the ring instead of unpacked, or (`w_stages`) every operand by TMA,
     the weights' ring deeper or shallower than the token tiles', down to two stages each; groups of one, two and
     three tiles (pad slots of x in slot order repeat a real token's row); with `tokens_n`, items of 1 to 12 16-row
-    tiles (100 rows an expert on average in the last case) and a hot expert over several items."""
+    tiles (100 rows an expert on average in the last case) and a hot expert over several items, with the weight rows
+    through shared memory or registers (`w_regs`)."""
     g = torch.Generator().manual_seed(N + D + I)
     x = torch.randn(N, D, generator=g).bfloat16().to(DEVICE)
     gate_up = (torch.randn(E, 2 * I, D, generator=g) * 0.05).bfloat16().to(DEVICE)
@@ -197,10 +223,11 @@ def test_bad_arguments(kw, match):
 
 
 @pytest.mark.parametrize("kw", [dict(w_stages=1), dict(stages=1, w_stages=4), dict(pre=1, w_stages=4),
-                                dict(w_stages=4, fp4=True), dict(tokens_n=True), dict(tokens_n=True, fp4=True)])
+                                dict(w_stages=4, fp4=True), dict(tokens_n=True), dict(tokens_n=True, fp4=True),
+                                dict(w_regs=True), dict(w_stages=6, w_regs=True)])
 def test_bad_tma_launch(kw):
     """Every operand by TMA (`w_stages`) takes bf16 experts, at least 2 stages a ring, and no lead to set;
-    `tokens_n` needs it; the dispatcher's bf16 launch is accepted."""
+    `tokens_n` needs it, and `w_regs` needs `tokens_n`; the dispatcher's bf16 launch is accepted."""
     kw = dict(kw)
     x = torch.zeros(2, 128, dtype=torch.bfloat16)
     idx, wt = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1)
@@ -210,7 +237,10 @@ def test_bad_tma_launch(kw):
            torch.zeros(2, 128, 32, dtype=torch.uint8), torch.zeros(2, 128, 2, dtype=torch.uint8))
     assert moe_experts_gluon_ws(x, idx[:0], wt[:0], **dense, **_WS_DENSE_LAUNCH).shape == (0, 128)
     weights, experts = ((fp4, {}) if kw.pop("fp4", False) else ((), dense))
-    match = "w_stages" if "w_stages" in kw else "tokens_n takes every operand by TMA"
+    if "w_regs" in kw:
+        match = "w_regs is an option of tokens_n"
+    else:
+        match = "w_stages" if "w_stages" in kw else "tokens_n takes every operand by TMA"
     with pytest.raises(ValueError, match=match):
         moe_experts_gluon_ws(x, idx, wt, *weights, **experts, **kw)
 
