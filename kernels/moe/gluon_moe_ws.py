@@ -443,7 +443,7 @@ def _tn_producer(W_DESC, X_DESC, GROUPS, COUNTS, BLOCK_EXPERT, NGROUPS, x_lo, x_
     it = 0
     for w in range(gl.program_id(0), total, gl.num_programs(0)):
         t, n, e, nb = _tn_item(GROUPS, COUNTS, BLOCK_EXPERT, w, NB)
-        row_a, row_b = _expert_rows(e, nb, ROWS_E, HALF, GATE)
+        row_a, row_b = _expert_rows(e, nb, ROWS_E, HALF, GATE)  # down's weight rows (gate_up's box takes (e, nb))
         for ks in range(n_k):
             if GATE:
                 _tn_fill_w(W_DESC, w_ring, w_ready, w_empty, it, ks, e, nb, W_STAGES)
