@@ -339,7 +339,7 @@ def _gluon_moe_ws_cases():
 
     def run_tn(gate, stages, w_stages, w_regs):
         cex = dict(gluon_moe_ws._constexprs_tn(stages, w_stages, 232, 40, w_regs), GATE=gate)
-        w_box = ",".join(map(str, gluon_moe_ws.TN_W_BOX)) if gate else "128,64"
+        w_box = ",".join(map(str, gluon_moe_ws.TN_W_BOX.value)) if gate else "128,64"
         desc = dict(W_DESC=f"tensordesc<bf16[{w_box}],{gluon_moe_ws.TN_W_SMEM if gate else cex['W_SMEM']!r}>",
                     X_DESC=f"tensordesc<bf16[64,64],{cex['X_SMEM']!r}>", COUNTS="*i32")
         _compile_gluon(gluon_moe_ws._ws_experts_tn, cex, lambda p: desc.get(p) or types.get(p, "i32"),

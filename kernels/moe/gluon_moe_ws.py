@@ -390,6 +390,8 @@ def _ws_experts(X, W, WS, W_DESC, X_DESC, H, OUT, TOPW, SORTED, GROUPS, BLOCK_EX
 # session).
 TN = gl.constexpr(16)  # rows a token tile (the expert alignment)
 TN_TILES = gl.constexpr(12)  # token tiles a work item: 192 rows, three 64-row TMA boxes
+# gate_up's weight box in `_tn_gate_up_view`: [1 expert, 8 groups, gate / up, 8 rows, 64 inputs]
+TN_W_BOX = gl.constexpr((1, 8, 2, 8, 64))
 # The forms a work item can take: (more than lo, at most hi 16-row tiles, first accumulator's columns, second's)
 _TN_PIECES = gl.constexpr(((0, 1, 16, 0), (1, 2, 32, 0), (2, 3, 32, 16), (3, 4, 64, 0), (4, 6, 64, 32), (6, 8, 128, 0),
                            (8, 10, 128, 32), (10, 12, 128, 64)))
@@ -404,9 +406,9 @@ def _tn_fill_w(W_DESC, w_ring, w_ready, w_empty, n, k, e, nb, W_STAGES: gl.const
     st = n % W_STAGES
     mbarrier.wait(w_empty.index(st), ((n // W_STAGES) & 1) ^ 1)
     mbarrier.expect(w_ready.index(st), 128 * BK * 2)
-    # the stage's [128, 64] as the box [1 expert, 8 groups, gate / up, 8 rows, 64 inputs]: the same bytes, since the
-    # 128-byte swizzle runs along the rows of 64 inputs whatever the outer dimensions
-    tma_load(W_DESC, [e, nb * 8, 0, 0, k * BK], w_ready.index(st), w_ring.index(st).reshape([1, 8, 2, 8, BK]))
+    # the stage's [128, 64] as the box `TN_W_BOX`: the same bytes, since the 128-byte swizzle runs along the rows of
+    # 64 inputs whatever the outer dimensions
+    tma_load(W_DESC, [e, nb * 8, 0, 0, k * BK], w_ready.index(st), w_ring.index(st).reshape(TN_W_BOX))
 
 
 @gluon.jit
@@ -762,8 +764,7 @@ def _tn_gate_up_view(gate_up: torch.Tensor) -> torch.Tensor:
     return gate_up.view(E, 2, two_i // 16, 8, D).permute(0, 2, 1, 3, 4)  # [E, I / 8, 2, 8, D]
 
 
-# gate_up's weight box in `_tn_gate_up_view` and its shared layout: the 128-byte swizzle of the stage's 2-D layout
-TN_W_BOX = [1, 8, 2, 8, BK.value]
+# the shared layout of gate_up's weight box (`TN_W_BOX`): the 128-byte swizzle of the stage's 2-D layout
 TN_W_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=5)
 
 
@@ -787,7 +788,7 @@ def _experts_tn(x, top_idx, top_w, W1, W2, stages, w_stages, consumer_regs, prod
     dx2 = TensorDescriptor.from_tensor(hbuf, [64, BK.value], cex["X_SMEM"])
     # gate_up: one box of 8 groups of 8 gate and 8 up rows a step, interleaved into the stage (`_tn_fill_w`); down:
     # 128 output rows
-    d1 = TensorDescriptor.from_tensor(_tn_gate_up_view(W1), TN_W_BOX, TN_W_SMEM)
+    d1 = TensorDescriptor.from_tensor(_tn_gate_up_view(W1), list(TN_W_BOX.value), TN_W_SMEM)
     d2 = TensorDescriptor.from_tensor(W2.view(E * D, I), [128, BK.value], cex["W_SMEM"])
     grid = (_programs(x.device),)
     # gate_up: K = D, I / 64 column blocks (gate rows n0.., up rows I + n0..); down: K = I, D / 128 row blocks

@@ -155,7 +155,7 @@ def test_tokens_n_weight_box(I):
     view = _tn_gate_up_view(gate_up)
     assert view.data_ptr() == gate_up.data_ptr() and view.stride(-1) == 1
     assert all(s * 2 % 16 == 0 for s in view.stride()[:-1])  # bf16 strides, 16-byte multiples
-    b = TN_W_BOX
+    b = TN_W_BOX.value
     J, a, p, c = torch.meshgrid(*map(torch.arange, (2, 4, 2, 8)), indexing="ij")
     stage_row, block_row = (64 * J + 16 * a + 8 * p + c).flatten(), (32 * J + 8 * a + c).flatten()
     for e in range(E):
